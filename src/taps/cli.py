@@ -1,0 +1,135 @@
+"""The `taps` command: each subcommand parses arguments and calls library functions, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids expects comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="decode a prompt, speculatively with --drafter or plainly without")
+    p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--drafter", help="drafter directory (EAGLE layout); omit for plain decoding")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
+    p.add_argument("--raw", action="store_true", help="tokenize --prompt as plain text, no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--total-tokens", type=int, default=60, help="tree budget, root included")
+    p.add_argument("--depth", type=int, default=5, help="draft levels below the root")
+    p.add_argument("--top-k", type=int, default=10, help="tree beam width / branching")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+    from taps.decode import chat_ids, generate
+    from taps.drafter.checkpoint import load_head
+    from taps.propose.single import SingleProposer
+    from taps.target import Target
+
+    target = Target.load(args.target, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
+                         trust_remote_code=args.trust_remote_code)
+    tok = target.tokenizer
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+    elif tok is None:
+        raise SystemExit(f"error: {args.target} has no tokenizer; use --prompt-ids")
+    elif args.raw:
+        prompt = tok(args.prompt)["input_ids"]
+    else:
+        prompt = chat_ids(tok, [{"role": "user", "content": args.prompt}])
+    proposer = None
+    if args.drafter:
+        head, _ = load_head(args.drafter, target, attn_implementation=args.attn)
+        proposer = SingleProposer(head, TreeConfig(args.total_tokens, args.depth, args.top_k))
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens,
+                       sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
+                       stop_token_ids=target.stop_token_ids(), seed=args.seed)
+    result = generate(target, proposer, prompt, cfg)
+    stop = set(cfg.stop_token_ids)
+    text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": result.tokens,
+            "new_tokens": len(result.tokens),
+            "prompt_tokens": result.prompt_tokens,
+            "steps": len(result.steps),
+            "verifier_calls": result.verifier_calls,
+            "acceptance_length": result.acceptance_length,
+            "accepted_per_step": [s.accepted for s in result.steps],
+            "tokens_per_second": result.tokens_per_second,
+            "stop_reason": result.stop_reason,
+            "time_split_s": result.time_split(),
+            "total_s": result.total_s,
+        }))
+    else:
+        print(text)
+        print(f"[{len(result.tokens)} tokens, {result.verifier_calls} verifier calls, "
+              f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s]",
+              file=sys.stderr)
+    return 0
+
+
+def _add_drafter(sub) -> None:
+    p = sub.add_parser("drafter", help="drafter checkpoints")
+    dsub = p.add_subparsers(dest="drafter_command", required=True)
+    init = dsub.add_parser("init", help="write an untrained EAGLE head sized for a target")
+    init.add_argument("--target", required=True, help="Hugging Face model directory")
+    init.add_argument("--out", required=True, help="output drafter directory")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--fc-bias", action="store_true", help="build fc with a bias")
+    init.set_defaults(func=_drafter_init)
+
+
+def _drafter_init(args) -> int:
+    from taps.drafter.checkpoint import write_untrained
+
+    out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias)
+    print(f"wrote an untrained drafter for {args.target} to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="taps", description="Task-aware speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_drafter(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from taps.drafter.checkpoint import CheckpointError
+    from taps.decode import ContextWindowError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, ContextWindowError, FileNotFoundError, ValueError) as err:
+        print(f"taps {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Plain configuration dataclasses shared by the decoder, the CLI and later the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of an EAGLE-2 dynamic draft tree (SPEC §2).
+
+    total_tokens counts the root, so a tree has at most total_tokens - 1 draft nodes;
+    depth is the number of draft levels below the root; top_k the beam width and branching.
+    """
+
+    total_tokens: int = 60
+    depth: int = 5
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("total_tokens", "depth", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TreeConfig.{name} must be a positive integer, got {value!r}")
+        if self.total_tokens < 2:
+            raise ValueError(f"TreeConfig.total_tokens must be >= 2 (root + at least one node), got {self.total_tokens}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution is formed. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class DecodeConfig:
+    """What one call of `generate` does."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

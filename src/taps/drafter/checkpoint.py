@@ -1,0 +1,195 @@
+"""Drafter checkpoints in the EAGLE layout (DESIGN.md), loaded strictly.
+
+A drafter directory holds `config.json` (a LlamaConfig with num_hidden_layers 1, architectures
+["LlamaForCausalLMEagle"], `bias` for fc, and a `taps` block) and `model.safetensors` with keys
+`fc.weight` (+ `fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`.
+No embedding, no LM head: the target's are used. A foreign checkpoint's `embed_tokens.weight`
+is ignored. Anything else that does not fit is an error naming the key: a silently half-loaded
+head still "works" and serves acceptance length ~1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from taps.drafter.head import EagleHead, head_config_for
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+IGNORED_FOREIGN_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that does not fit the target (or is not a drafter checkpoint)."""
+
+
+@dataclass
+class DrafterInfo:
+    """The `taps` block of config.json."""
+
+    backbone: str = "eagle2"  # eagle2 | hass | untrained
+    training_data: str = ""
+    target_name: str = ""
+    tokenizer_fingerprint: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "backbone": self.backbone, "training_data": self.training_data,
+                "target_name": self.target_name, "tokenizer_fingerprint": self.tokenizer_fingerprint, **self.extra}
+
+    @classmethod
+    def from_json(cls, block: dict) -> "DrafterInfo":
+        known = {"backbone", "training_data", "target_name", "tokenizer_fingerprint", "format_version"}
+        return cls(backbone=block.get("backbone", "eagle2"), training_data=block.get("training_data", ""),
+                   target_name=block.get("target_name", ""),
+                   tokenizer_fingerprint=block.get("tokenizer_fingerprint"),
+                   extra={k: v for k, v in block.items() if k not in known})
+
+
+def init_head(target_config, seed: int = 0, bias: bool = False, attn_implementation: str = "sdpa") -> EagleHead:
+    """An untrained head sized for a target, reproducible for a seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return EagleHead(head_config_for(target_config, attn_implementation), bias=bias)
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc_bias: bool = False) -> Path:
+    """Write config.json + model.safetensors; each file is replaced atomically.
+
+    export_fc_bias writes a zero `fc.bias` for engines that always build fc with a bias (SGLang).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    bias = head.bias
+    if export_fc_bias and "fc.bias" not in tensors:
+        tensors["fc.bias"] = torch.zeros(head.config.hidden_size, dtype=tensors["fc.weight"].dtype)
+        bias = True
+    config = head.config.to_dict()
+    config.pop("_attn_implementation", None)
+    config["architectures"] = ["LlamaForCausalLMEagle"]
+    config["num_hidden_layers"] = 1
+    config["bias"] = bias
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]  # top-level copy for engines that read it there
+    config["taps"] = info.to_json()
+    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    return out
+
+
+def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: missing; a drafter directory needs config.json and {WEIGHTS_NAME}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg_path}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    for key in ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"):
+        if key not in config:
+            raise CheckpointError(f"{cfg_path}: key '{key}' is missing")
+    if config.get("num_hidden_layers", 1) != 1:
+        raise CheckpointError(f"{cfg_path}: num_hidden_layers is {config['num_hidden_layers']}, an EAGLE head has 1")
+    return config, DrafterInfo.from_json(config.get("taps") or {})
+
+
+def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tuple[EagleHead, DrafterInfo]:
+    """Load a drafter strictly for `target` (a taps Target), bound to its embedding and LM head."""
+    path = Path(path)
+    config, info = read_config(path)
+    cfg_path = path / CONFIG_NAME
+    if config["hidden_size"] != target.hidden_size:
+        raise CheckpointError(f"{cfg_path}: hidden_size is {config['hidden_size']}, the target's is {target.hidden_size}")
+    if config["vocab_size"] != target.vocab_size:
+        raise CheckpointError(f"{cfg_path}: vocab_size is {config['vocab_size']}, the target's LM head has {target.vocab_size}")
+    theirs, ours = info.tokenizer_fingerprint, target.fingerprint()
+    if theirs is not None and ours is not None and theirs != ours:
+        raise CheckpointError(
+            f"{cfg_path}: taps.tokenizer_fingerprint {theirs} does not match the target tokenizer's {ours}: "
+            "this drafter was trained for another tokenizer")
+    if theirs is None:
+        warnings.warn(f"{cfg_path}: no taps.tokenizer_fingerprint (foreign checkpoint?); tokenizer not checked")
+
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(other)}: TAPS loads safetensors only)" if other else ""
+        raise CheckpointError(f"{weights}: missing{hint}")
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    for key in IGNORED_FOREIGN_KEYS:
+        tensors.pop(key, None)
+
+    fields = {k: v for k, v in config.items() if k not in ("taps", "bias", "architectures", "rope_theta", "model_type",
+                                                            "transformers_version", "torch_dtype", "dtype")}
+    if "rope_parameters" not in fields and "rope_theta" in config:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    try:
+        head_config = LlamaConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{cfg_path}: not a valid Llama head config ({err})") from None
+    head_config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
+    head = EagleHead(head_config, bias=bool(config.get("bias", "fc.bias" in tensors)))
+
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{weights}: missing key(s) {', '.join(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{weights}: unexpected key(s) {', '.join(unexpected)}")
+    for key, value in expected.items():
+        if tuple(tensors[key].shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"{weights}: key {key} has shape {tuple(tensors[key].shape)}, expected {tuple(value.shape)} for this target")
+    head.load_state_dict(tensors, strict=True)
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    return head.bind(target.embed_tokens, target.lm_head), info
+
+
+def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False) -> Path:
+    """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
+    and tokenizer only (the target's weights are not loaded)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from taps.target import tokenizer_fingerprint
+
+    target_dir = Path(target_dir)
+    if not (target_dir / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{target_dir / CONFIG_NAME}: missing; --target must be a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(target_dir)
+    try:
+        fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_dir))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"{target_dir}: no loadable tokenizer ({err})") from None
+    head = init_head(config, seed=seed, bias=bias)
+    info = DrafterInfo(backbone="untrained", target_name=target_dir.name, tokenizer_fingerprint=fingerprint,
+                       extra={"seed": seed})
+    return save_head(head, out_dir, info)

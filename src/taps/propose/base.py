@@ -1,0 +1,29 @@
+"""The Proposer protocol: the only thing decode.py knows about drafting.
+
+A routed or merged proposer is a new class with these three methods; decode.py and verify.py
+do not change. Contract (batch size 1):
+- start(features, tokens): a new context. tokens [T+1] is the whole sequence so far, ending
+  with the pending token the target has not seen; features [T, H] are the target's last-layer
+  features at positions 0..T-1.
+- propose(): a DraftTree whose root token is the pending token.
+- observe(acceptance, features): the target accepted `acceptance.nodes` of the last tree and
+  emitted `acceptance.bonus`; features [A+1, H] are the target's features at the accepted nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from taps.tree import DraftTree
+from taps.verify import Acceptance
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    def start(self, features: Tensor, tokens: Tensor) -> None: ...
+
+    def propose(self) -> DraftTree: ...
+
+    def observe(self, acceptance: Acceptance, features: Tensor) -> None: ...

@@ -1,0 +1,226 @@
+"""Target: an UNMODIFIED Hugging Face causal LM plus its tokenizer, driven through its cache.
+
+Tree attention is nothing but an additive 4D mask [1, 1, N, prefix + N] and explicit
+position_ids (prefix length + node depth) handed to the library's own forward; the KV cache is
+the library's DynamicCache, pruned by kv.py. One code path therefore serves Llama, Qwen2,
+Mistral and any other architecture whose forward accepts a prepared 4D mask.
+
+Invariant between calls: the cache holds every token of the sequence except the last one,
+which is pending (it is the root of the next draft tree, or the next plain-decoding input).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from taps import kv
+from taps.tree import DraftTree, additive_mask
+
+# End-of-turn markers of common chat templates; used as stop tokens when the tokenizer has them.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
+
+
+@dataclass(frozen=True)
+class TargetOut:
+    logits: Tensor  # [T, V] (prefill: [1, V], the last position only, unless all_logits=True)
+    features: Tensor  # [T, H] last-layer hidden states (after the final norm: the LM head's input)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary (token -> id), so a head trained for one tokenizer is never
+    silently served with another."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv_: kv_[1])
+    blob = json.dumps(vocab, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+class Target:
+    """The verifier. Owns one KV cache (batch size 1) and nothing else."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config()
+        self.cache = kv.new_cache()
+        self._tree_start: int | None = None
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+    ) -> "Target":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"target directory {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
+        if not any(path.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"{path} has no *.safetensors weights; TAPS loads safetensors only (no pickle). "
+                "Convert the checkpoint with `save_pretrained(..., safe_serialization=True)`."
+            )
+        dev = resolve_device(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(dtype, dev),
+            attn_implementation=attn_implementation,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        ).to(dev)
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if has_tokenizer else None
+        return cls(model, tokenizer)
+
+    # ---- facts -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_window(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def length(self) -> int:
+        """Number of tokens whose KV rows are committed in the cache."""
+        return kv.cache_length(self.cache)
+
+    def fingerprint(self) -> str | None:
+        return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids of the generation config and tokenizer, plus the chat template's end-of-turn tokens."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                ids.append(self.tokenizer.eos_token_id)
+            vocab = self.tokenizer.get_vocab()
+            ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def _window(self) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        return int(window) if window else None
+
+    # ---- cache control ---------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = kv.new_cache()
+        self._tree_start = None
+
+    def truncate(self, length: int) -> None:
+        """Forget every committed token from position `length` on (e.g. to reuse a shared prefix)."""
+        kv.truncate(self.cache, length)
+        self._tree_start = None
+
+    # ---- forwards --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, all_logits: bool = False) -> TargetOut:
+        """Append ids [T] to the committed sequence (causal attention) and return their outputs."""
+        if self._tree_start is not None:
+            raise RuntimeError("prefill called while a tree forward awaits commit()")
+        ids = ids.to(self.device, torch.long).view(1, -1)
+        start = self.length
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return TargetOut(logits=out.logits[0], features=out.hidden_states[-1][0])
+
+    @torch.inference_mode()
+    def forward_tree(self, tree: DraftTree) -> TargetOut:
+        """One forward over every tree node; their KV rows are appended until commit()."""
+        if self._tree_start is not None:
+            raise RuntimeError("forward_tree called twice without commit()")
+        prefix = self.length
+        depth = tree.depth().to(self.device)
+        ancestors = tree.ancestor_mask().to(self.device)
+        full = additive_mask(ancestors, depth, prefix, None, self.dtype)
+        mask: Tensor | dict[str, Tensor] = full
+        window = self._window()
+        if window is not None and prefix + tree.size > window:
+            windowed = additive_mask(ancestors, depth, prefix, window, self.dtype)
+            layer_types = getattr(self.config, "layer_types", None)
+            if layer_types is not None:  # hybrid models take one mask per attention type
+                mask = {"full_attention": full, "sliding_attention": windowed}
+            else:
+                mask = windowed
+        out = self.model(
+            input_ids=tree.tokens.to(self.device).view(1, -1),
+            position_ids=(prefix + depth)[None],
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        self._tree_start = prefix
+        return TargetOut(logits=out.logits[0], features=out.hidden_states[-1][0])
+
+    def commit(self, nodes: Tensor) -> None:
+        """Keep exactly the KV rows of these tree nodes (root first, in path order); drop the rest."""
+        if self._tree_start is None:
+            raise RuntimeError("commit() without a preceding forward_tree()")
+        kv.keep_rows(self.cache, self._tree_start, nodes)
+        self._tree_start = None
