@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: test install bench clean
+.PHONY: test install demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Until the embedded default model ships (issue 4), the demo runs on a random tiny target:
+# it shows the commands working end to end, not a speedup (a random head accepts ~nothing).
+DEMO := runs/demo
+demo: install
+	$(PY) -m taps.testing $(DEMO)/target
+	$(VENV)/bin/taps drafter init --target $(DEMO)/target --out $(DEMO)/drafter --seed 0
+	$(VENV)/bin/taps generate --target $(DEMO)/target --prompt "How many clips did Natalia sell?" --max-new-tokens 32 --device cpu --json
+	$(VENV)/bin/taps generate --target $(DEMO)/target --drafter $(DEMO)/drafter --prompt "How many clips did Natalia sell?" --max-new-tokens 32 --device cpu --json
 
 bench: install
 	$(PY) bench/decode_speed.py

@@ -46,6 +46,8 @@ def prompts(n: int, vocab: int = 384, seed: int = 0) -> list[list[int]]:
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The reference: Hugging Face's own greedy generate."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens)
+        ids = torch.tensor([prompt])
+        # explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()

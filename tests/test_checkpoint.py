@@ -137,3 +137,26 @@ def test_write_untrained_for_target_dir(tmp_path, target_dir, target):
     head, info = load_head(out, target)
     assert info.backbone == "untrained" and info.tokenizer_fingerprint == target.fingerprint()
     assert torch.equal(head.fc.weight, init_head(target.model.config, seed=7).fc.weight)
+
+
+def test_foreign_eagle_checkpoint_loads(tmp_path, saved, target):
+    """A head as the EAGLE authors publish it: transformers-4.x style config (top-level rope_theta,
+    rope_scaling, token ids, no taps block) and an embed_tokens tensor."""
+    path, head = saved
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": 128001,
+              "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+              "max_position_embeddings": 512, "model_type": "llama", "num_attention_heads": 4,
+              "num_hidden_layers": 1, "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-6,
+              "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
+              "transformers_version": "4.28.1", "use_cache": True, "vocab_size": target.vocab_size}
+    (foreign / "config.json").write_text(json.dumps(config))
+    tensors = load_file(path / "model.safetensors")
+    tensors["embed_tokens.weight"] = torch.zeros(target.vocab_size, 64)
+    save_file(tensors, foreign / "model.safetensors")
+    with pytest.warns(UserWarning, match="no taps.tokenizer_fingerprint"):
+        loaded, info = load_head(foreign, target)
+    assert info.tokenizer_fingerprint is None
+    assert torch.equal(loaded.fc.weight, head.fc.weight)
+    assert loaded.config.rope_parameters["rope_theta"] == 10000.0

@@ -111,6 +111,11 @@ class Decoder:
         if not context_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         self.check_window(len(context_ids), cfg)
+        vocab = self.target.vocab_size
+        bad = next((i for i, tok in enumerate(context_ids) if not 0 <= tok < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {context_ids[bad]} at index {bad} is outside the target's "
+                             f"vocabulary of {vocab}")
         target, device = self.target, self.target.device
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         t0 = _clock(device)

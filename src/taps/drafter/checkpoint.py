@@ -29,6 +29,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 IGNORED_FOREIGN_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
+# config.json entries that are not LlamaConfig fields of the head (or do not concern it)
+NOT_HEAD_CONFIG = ("taps", "bias", "architectures", "rope_theta", "model_type", "transformers_version",
+                   "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class CheckpointError(ValueError):
@@ -147,8 +150,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
     for key in IGNORED_FOREIGN_KEYS:
         tensors.pop(key, None)
 
-    fields = {k: v for k, v in config.items() if k not in ("taps", "bias", "architectures", "rope_theta", "model_type",
-                                                            "transformers_version", "torch_dtype", "dtype")}
+    fields = {k: v for k, v in config.items() if k not in NOT_HEAD_CONFIG}
     if "rope_parameters" not in fields and "rope_theta" in config:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     try:

@@ -1,0 +1,55 @@
+"""The `taps` command end to end on a tiny target directory."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from taps.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_plain_and_speculative_agree(capsys, tmp_path, target_dir):
+    assert main(["drafter", "init", "--target", str(target_dir), "--out", str(tmp_path / "d"), "--seed", "1"]) == 0
+    capsys.readouterr()
+    common = ["generate", "--target", str(target_dir), "--prompt", "How many clips?", "--max-new-tokens", "12",
+              "--device", "cpu", "--json"]
+    plain = run_json(capsys, *common)
+    spec = run_json(capsys, *common, "--drafter", str(tmp_path / "d"), "--total-tokens", "20", "--depth", "3")
+    for key in ("text", "token_ids", "new_tokens", "steps", "acceptance_length", "tokens_per_second"):
+        assert key in plain and key in spec
+    assert spec["token_ids"] == plain["token_ids"]
+    assert plain["acceptance_length"] == 1.0
+    assert spec["new_tokens"] == len(spec["token_ids"]) <= 12
+
+
+def test_generate_prompt_ids_and_raw(capsys, target_dir):
+    out = run_json(capsys, "generate", "--target", str(target_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                   "--device", "cpu", "--json")
+    assert out["prompt_tokens"] == 3 and out["new_tokens"] == 4
+    raw = run_json(capsys, "generate", "--target", str(target_dir), "--prompt", "The quick brown fox", "--raw",
+                   "--max-new-tokens", "3", "--device", "cpu", "--json", "--temperature", "1.0", "--seed", "3")
+    assert raw["new_tokens"] <= 3
+
+
+def test_errors_are_reported_not_raised(capsys, tmp_path, target_dir):
+    assert main(["generate", "--target", str(tmp_path / "missing"), "--prompt", "x", "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target_dir), "--prompt-ids", "1,2", "--max-new-tokens", "600",
+                 "--device", "cpu"]) == 2
+    assert "context window of 512" in capsys.readouterr().err
+    assert main(["generate", "--target", str(target_dir), "--drafter", str(tmp_path), "--prompt", "x",
+                 "--device", "cpu"]) == 2
+    assert "config.json: missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(target_dir), "--prompt-ids", "1,a"])
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "taps.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "generate" in out.stdout and "drafter" in out.stdout
