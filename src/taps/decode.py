@@ -14,7 +14,7 @@ code and their timings compare like with like. Batch size 1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -127,11 +127,11 @@ class Decoder:
         else:
             target.reset()
         out = target.prefill(torch.tensor(context_ids[keep:], dtype=torch.long))
-        features = self._features_prefix(keep) + [out.features]
         first = sample_token(out.logits[-1], cfg.sampling, gen)
-        self.committed, self._features = list(context_ids), features
-        if self.proposer is not None:
-            self.proposer.start(torch.cat(features), torch.tensor(context_ids + [first], device=device))
+        self.committed = list(context_ids)
+        if self.proposer is not None:  # features are kept only for a proposer to restart from
+            self._features = self._features_prefix(keep) + [out.features]
+            self.proposer.start(torch.cat(self._features), torch.tensor(context_ids + [first], device=device))
         t1 = _clock(device)
 
         new, steps, pending = [first], [], first
@@ -160,7 +160,8 @@ class Decoder:
             kept = acc.nodes[:m]
             target.commit(kept)
             self.committed += acc.tokens[:m].tolist()
-            self._features.append(out.features[kept])
+            if self.proposer is not None:
+                self._features.append(out.features[kept])
             new += emitted[:m]
             pending = emitted[m - 1]
             deepest = int(acc.nodes[-1])
@@ -207,7 +208,8 @@ class ChatSession:
         if target.tokenizer is None:
             raise ValueError("chat needs the target's tokenizer")
         self.decoder = Decoder(target, proposer)
-        self.cfg = cfg
+        # without explicit stop tokens a turn ends at the target's EOS / end-of-turn tokens
+        self.cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def send(self, user_text: str) -> tuple[str, DecodeResult]:
