@@ -1,0 +1,313 @@
+"""EAGLE-2 and HASS training objectives for the EAGLE head (SPEC §1), on teacher-forced batches.
+
+Alignment. For one sequence of T tokens (positions 0..T-1, of which the first `length` are real):
+
+    head input pair t  = (input_ids[t+1], hidden[t])       t = 0 .. T-2, rotary position t
+    its output         ~ hidden[t+1]                       feature regression (SmoothL1)
+    lm_head(output)    ~ softmax(lm_head(hidden[t+1]))     the target's distribution over token t+2
+    counted            iff loss_mask[t+1] == 1 and t + 1 < length
+
+This is the inference convention of drafter/context.py: the head consumes (embed(token_{t+1}),
+feature_t) at position t and its output at t predicts feature_{t+1}.
+
+Why loss_mask[t+1]: everything pair t is trained on is a property of position t+1 (its feature and
+the distribution it induces over token t+2), so the pair counts exactly when position t+1 is an
+assistant token. At inference the target itself produces the first assistant token a0 (prefill);
+the head's first draft comes from pair a0 - 1 (context consumed up to a0) and proposes a0 + 1 —
+that pair is counted (loss_mask[a0] = 1), while no pair whose regression target is a prompt
+position is. The EAGLE reference code counts pair t by loss_mask[t] instead: one position later,
+which skips the first draft of every response and counts one pair past its end.
+
+Padding: sequences are right-padded. A real query t only sees keys p <= t, and every such p is a
+real token, so causality alone keeps padded positions out of every real position's output; the
+loss weight excludes them (t + 1 < length) whatever their loss_mask says.
+
+HASS harmonized context alignment (`steps` forward passes). Step j at position t reproduces the
+head's depth-j draft of a chain after a committed context of c = t - j + 2 pairs: inference
+consumes pairs 0..c-1 with true features, drafts depth 1 from the output at c-1, and at depth
+d >= 2 runs the head at position c + d - 2 on (next token, its own output at depth d-1). With
+teacher-forced tokens, the query at t in step j therefore sees
+    keys p <= t - (j-1)       the rows of step 1 (true features);
+    keys p in (t-(j-1), t]    the rows of step j - (t - p), fed the head's own detached outputs.
+`alignment_mask` builds exactly this pattern over the key rows of steps 1..j held in one cache
+(every row rotated at its true position), so training attention equals inference attention
+(tests/test_losses.py checks it against the decoder's own functions). The authors' HASS code
+fills masked logits with 0 instead of -inf in these steps, i.e. applies no causal mask there;
+this module does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from taps import kv
+from taps.drafter.context import causal_block_mask
+from taps.drafter.head import EagleHead
+
+
+# ---- the batch -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainBatch:
+    """Teacher-forced sequences, right-padded to a common length T."""
+
+    input_ids: Tensor  # [B, T] long, padded with any valid id
+    hidden: Tensor  # [B, T, H] target features (HF hidden_states[-1], after the final norm)
+    loss_mask: Tensor  # [B, T] 1 on assistant tokens (any value on padding)
+    lengths: Tensor  # [B] long, real tokens per row (positions >= length are padding)
+
+    def __post_init__(self) -> None:
+        b, t = self.input_ids.shape
+        if self.hidden.shape[:2] != (b, t) or self.loss_mask.shape != (b, t) or self.lengths.shape != (b,):
+            raise ValueError(
+                f"TrainBatch shapes disagree: input_ids {tuple(self.input_ids.shape)}, hidden "
+                f"{tuple(self.hidden.shape)}, loss_mask {tuple(self.loss_mask.shape)}, "
+                f"lengths {tuple(self.lengths.shape)}"
+            )
+        if t < 2:
+            raise ValueError(f"TrainBatch needs T >= 2 (one head pair uses two positions), got T = {t}")
+        if bool(((self.lengths < 0) | (self.lengths > t)).any()):
+            raise ValueError(f"TrainBatch.lengths must lie in [0, {t}], got {self.lengths.tolist()}")
+
+
+def pad_batch(samples: Sequence[tuple[Tensor, Tensor, Tensor]]) -> TrainBatch:
+    """Right-pad (input_ids [T_i], hidden [T_i, H], loss_mask [T_i]) samples into one TrainBatch."""
+    lengths = torch.tensor([int(ids.shape[0]) for ids, _, _ in samples], dtype=torch.long)  # [B]
+    t = int(lengths.max())
+    ids0, hidden0, mask0 = samples[0]
+    b, h = len(samples), hidden0.shape[-1]
+    input_ids = torch.zeros(b, t, dtype=torch.long, device=ids0.device)  # [B, T]
+    hidden = torch.zeros(b, t, h, dtype=hidden0.dtype, device=hidden0.device)  # [B, T, H]
+    loss_mask = torch.zeros(b, t, dtype=mask0.dtype, device=mask0.device)  # [B, T]
+    for i, (ids, feats, mask) in enumerate(samples):
+        n = int(ids.shape[0])
+        input_ids[i, :n], hidden[i, :n], loss_mask[i, :n] = ids, feats, mask
+    return TrainBatch(input_ids=input_ids, hidden=hidden, loss_mask=loss_mask, lengths=lengths.to(ids0.device))
+
+
+@dataclass(frozen=True)
+class HeadPairs:
+    """The batch seen as head input pairs t = 0..T-2 and their targets (see the module docstring)."""
+
+    tokens: Tensor  # [B, T-1] input_ids[t+1]
+    features: Tensor  # [B, T-1, H] hidden[t]
+    targets: Tensor  # [B, T-1, H] hidden[t+1]
+    positions: Tensor  # [B, T-1] rotary position t
+    weight: Tensor  # [B, T-1] bool: loss_mask[t+1] == 1 and t + 1 < length
+
+
+def head_pairs(batch: TrainBatch) -> HeadPairs:
+    """The one place the alignment of the module docstring is written down in code."""
+    b, t = batch.input_ids.shape
+    nxt = torch.arange(1, t, device=batch.input_ids.device)  # [T-1] position t+1
+    real = nxt[None] < batch.lengths[:, None]  # [B, T-1]
+    return HeadPairs(
+        tokens=batch.input_ids[:, 1:],  # [B, T-1]
+        features=batch.hidden[:, :-1],  # [B, T-1, H]
+        targets=batch.hidden[:, 1:],  # [B, T-1, H]
+        positions=(nxt - 1).expand(b, t - 1),  # [B, T-1]
+        weight=(batch.loss_mask[:, 1:] != 0) & real,  # [B, T-1]
+    )
+
+
+# ---- configuration and results ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Eagle2Config:
+    """EAGLE-2 objective: feature_weight * SmoothL1 + token_weight * soft cross-entropy.
+
+    noise_width: the true input features get noise uniform on [-width/2, width/2) (targets are
+    never noised). The EAGLE reference (AddUniformNoise, std 0.2) draws (U[0,1) - 0.5) * std *
+    512 / seq_len: width 0.2 at 512 tokens, wider for shorter sequences. The project keeps the
+    width fixed (default 0.2, the reference's at 512 tokens) so it does not depend on length.
+    Set 0 for evaluation; inference never calls these losses.
+    """
+
+    feature_weight: float = 1.0
+    token_weight: float = 0.1
+    noise_width: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("feature_weight", "token_weight", "noise_width"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class HassConfig(Eagle2Config):
+    """HASS objective: the EAGLE-2 terms plus topk_weight * top-K distillation, at each of `steps`
+    harmonized context alignment steps, all added."""
+
+    topk: int = 10
+    topk_weight: float = 1.0
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.topk < 1 or self.steps < 1:
+            raise ValueError(f"HassConfig needs topk >= 1 and steps >= 1, got topk={self.topk}, steps={self.steps}")
+        if self.topk_weight < 0:
+            raise ValueError(f"HassConfig.topk_weight must be >= 0, got {self.topk_weight}")
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """One forward step's terms, each a mean over its counted positions."""
+
+    feature: Tensor  # [] SmoothL1(predicted feature, true next feature), mean over H
+    token: Tensor  # [] soft cross-entropy -sum_x q(x) log p(x)
+    distill: Tensor  # [] top-K distillation -sum_{x in top-K of q} q(x) log p(x) (0 for EAGLE-2)
+    top1: Tensor  # [] detached: fraction where argmax p == argmax q
+    count: Tensor  # [] detached: counted positions
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: Tensor  # [] the weighted sum the optimizer minimises
+    steps: tuple[StepLoss, ...]  # one per forward step (a single one for EAGLE-2)
+
+    @property
+    def top1(self) -> Tensor:  # [] top-1 agreement at depth 1
+        return self.steps[0].top1
+
+    def metrics(self) -> dict[str, float]:
+        """Plain floats for logging: `loss` and `<term>/<step>` for every step."""
+        out = {"loss": float(self.loss.detach())}
+        for j, step in enumerate(self.steps, start=1):
+            for name in ("feature", "token", "distill", "top1"):
+                out[f"{name}/{j}"] = float(getattr(step, name).detach())
+        return out
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+def _require_frozen_shared(head: EagleHead) -> None:
+    """The embedding and LM head are the target's, shared and frozen (SPEC §1). If they required
+    grad, every step would compute (and an optimizer might apply) a vocabulary-sized gradient."""
+    embed, lm_head = head._require_bound()
+    if any(p.requires_grad for m in (embed, lm_head) for p in m.parameters()):
+        raise ValueError("the target's embedding / LM head require grad; freeze the target first: "
+                         "target.model.requires_grad_(False)")
+
+
+def add_uniform_noise(features: Tensor, width: float, generator: torch.Generator | None) -> Tensor:
+    """features + U[-width/2, width/2) noise, drawn from `generator` (on the features' device).
+    Regularises the head against the imperfect features it is fed when drafting."""
+    if width == 0:
+        return features
+    if generator is None:
+        raise ValueError("noise_width > 0 needs a seeded torch.Generator; use noise_width=0 for evaluation")
+    u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)  # [..., H]
+    return features + ((u - 0.5) * width).to(features.dtype)  # [..., H]
+
+
+@torch.no_grad()
+def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H] -> [..., V]
+    """softmax(lm_head(true feature)): the target's own next-token distribution, a constant."""
+    return torch.softmax(head.logits(targets).float(), dim=-1)
+
+
+def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
+               topk: int | None) -> StepLoss:
+    """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
+    as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
+    (even inf) there cannot leak into the mean.
+
+    predicted [B, T, H], logits [B, T, V] head; targets [B, T, H] true next features, q [B, T, V]
+    the target's distribution softmax(lm_head(targets)) (computed once, shared by all steps);
+    weight [B, T] bool; topk None means no distillation term.
+    """
+    count = weight.sum()  # []
+    denom = count.clamp(min=1).float()  # []
+
+    def mean(per_position: Tensor) -> Tensor:  # [B, T] -> []
+        return torch.where(weight, per_position, torch.zeros_like(per_position)).sum() / denom
+
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    feature = F.smooth_l1_loss(predicted.float(), targets.float(), reduction="none").mean(-1)  # [B, T]
+    token = -(q * logp).sum(-1)  # [B, T]
+    if topk is None:
+        distill = torch.zeros((), device=logits.device)  # []
+    else:
+        top_q, top_x = q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K], [B, T, K]
+        distill = mean(-(top_q * logp.gather(-1, top_x)).sum(-1))  # []
+    agree = (logits.argmax(-1) == q.argmax(-1)).float()  # [B, T]
+    return StepLoss(feature=mean(feature), token=mean(token), distill=distill,
+                    top1=mean(agree).detach(), count=count.detach())
+
+
+def _weighted(step: StepLoss, cfg: Eagle2Config, topk_weight: float) -> Tensor:  # []
+    return cfg.feature_weight * step.feature + cfg.token_weight * step.token + topk_weight * step.distill
+
+
+# ---- EAGLE-2 ---------------------------------------------------------------------------------
+def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Config(),
+                generator: torch.Generator | None = None) -> LossOutput:
+    """One causal forward of the head over the noised true features (SPEC §1, EAGLE-2)."""
+    _require_frozen_shared(head)
+    pairs = head_pairs(batch)
+    features = add_uniform_noise(pairs.features, cfg.noise_width, generator)  # [B, T-1, H]
+    b, t = pairs.tokens.shape
+    mask = causal_block_mask(t, 0, features.dtype, features.device).expand(b, 1, t, t)  # [B, 1, T-1, T-1]
+    predicted = head(pairs.tokens, features, pairs.positions, mask)  # [B, T-1, H]
+    q = target_distribution(head, pairs.targets)  # [B, T-1, V]
+    step = step_terms(predicted, head.logits(predicted), pairs.targets, q, pairs.weight, None)
+    return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
+
+
+# ---- HASS ------------------------------------------------------------------------------------
+def alignment_mask(step: int, length: int, dtype: torch.dtype, device) -> Tensor:
+    """Additive mask [1, 1, T, step * T] for step `step` over the key rows of steps 1..step, laid
+    out step-major (rows of step s at s*T - T .. s*T - 1, as the cache appends them).
+
+    Query t sees key p iff p <= t, and then exactly one row: that of step max(1, step - (t - p)).
+    Step 1 is plain causal attention.
+    """
+    t = torch.arange(length, device=device)  # [T]
+    lag = t[:, None] - t[None, :]  # [T, T] query minus key position
+    source = (step - lag).clamp(min=1)  # [T, T] the step whose row query t reads at key p
+    steps = torch.arange(1, step + 1, device=device)  # [S]
+    visible = (lag >= 0)[:, None, :] & (source[:, None, :] == steps[None, :, None])  # [T, S, T]
+    mask = torch.zeros(length, step * length, dtype=dtype, device=device)  # [T, S*T]
+    mask.masked_fill_(~visible.reshape(length, step * length), torch.finfo(dtype).min)
+    return mask[None, None]  # [1, 1, T, S*T]
+
+
+def aligned_outputs(head: EagleHead, tokens: Tensor, features: Tensor, positions: Tensor, steps: int) -> list[Tensor]:
+    """Head outputs of alignment steps 1..steps, each [B, T, H].
+
+    tokens [B, T], features [B, T, H] (true, possibly noised), positions [B, T]. Step j's input at
+    t > 0 is step j-1's output at t-1, DETACHED: the head learns to use its own features, but no
+    gradient flows back through a predicted feature into the step that produced it. (Gradients
+    do reach the parameters through the earlier steps' key/value rows, as they are functions of
+    the parameters at inference too.) Position 0 keeps its true feature; step j's rows at t < j-1
+    then recompute step t+1's rows exactly (there is no context of c >= 1 pairs behind them).
+    """
+    b, t = tokens.shape
+    cache = kv.new_cache()  # key/value rows of every step so far, [B, kv_heads, j*T, head_dim] per layer
+    outputs: list[Tensor] = []
+    inputs = features  # [B, T, H]
+    for step in range(1, steps + 1):
+        mask = alignment_mask(step, t, features.dtype, features.device).expand(b, 1, t, step * t)  # [B, 1, T, j*T]
+        outputs.append(head(tokens, inputs, positions, mask, cache))  # [B, T, H]
+        inputs = torch.cat([features[:, :1], outputs[-1][:, :-1].detach()], dim=1)  # [B, T, H]
+    return outputs
+
+
+def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig(),
+              generator: torch.Generator | None = None) -> LossOutput:
+    """EAGLE-2 terms + top-K distillation at each harmonized context alignment step, added
+    (SPEC §1, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step."""
+    _require_frozen_shared(head)
+    pairs = head_pairs(batch)
+    features = add_uniform_noise(pairs.features, cfg.noise_width, generator)  # [B, T-1, H]
+    outputs = aligned_outputs(head, pairs.tokens, features, pairs.positions, cfg.steps)
+    q = target_distribution(head, pairs.targets)  # [B, T-1, V]
+    t = torch.arange(pairs.tokens.shape[1], device=features.device)  # [T-1]
+    terms = tuple(
+        step_terms(out, head.logits(out), pairs.targets, q, pairs.weight & (t >= j - 1)[None], cfg.topk)
+        for j, out in enumerate(outputs, start=1)
+    )
+    return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
