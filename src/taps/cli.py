@@ -116,17 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_drafter(sub)
+    from taps.data import commands as data_commands
+    from taps.tiny import commands as tiny_commands
+    from taps.train import commands as train_commands
+
+    data_commands.register(sub)
+    train_commands.register(sub)
+    tiny_commands.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from taps.drafter.checkpoint import CheckpointError
     from taps.decode import ContextWindowError
+    from taps.drafter.checkpoint import CheckpointError
+    from taps.train.trainer import TrainingError
 
     try:
         return args.func(args)
-    except (CheckpointError, ContextWindowError, FileNotFoundError, ValueError) as err:
+    except (CheckpointError, ContextWindowError, TrainingError, FileNotFoundError, ValueError) as err:
         print(f"taps {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -190,6 +190,19 @@ class Target:
         return TargetOut(logits=out.logits[0], features=out.hidden_states[-1][0])
 
     @torch.inference_mode()
+    def encode(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Last-layer features of whole sequences, without touching the cache (for training data).
+
+        ids: [B, T] (or [T]); attention_mask: [B, T] with 0 on right padding. Returns [B, T, H].
+        """
+        ids = ids.to(self.device, torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True,
+                         logits_to_keep=1)
+        return out.hidden_states[-1]
+
+    @torch.inference_mode()
     def forward_tree(self, tree: DraftTree) -> TargetOut:
         """One forward over every tree node; their KV rows are appended until commit()."""
         if self._tree_start is not None:

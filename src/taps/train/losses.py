@@ -192,11 +192,18 @@ def _require_frozen_shared(head: EagleHead) -> None:
                          "target.model.requires_grad_(False)")
 
 
-def add_uniform_noise(features: Tensor, width: float, generator: torch.Generator | None) -> Tensor:
+def add_uniform_noise(features: Tensor, width: float, generator: torch.Generator | None,
+                      noise: Tensor | None = None) -> Tensor:
     """features + U[-width/2, width/2) noise, drawn from `generator` (on the features' device).
-    Regularises the head against the imperfect features it is fed when drafting."""
+    Regularises the head against the imperfect features it is fed when drafting.
+
+    noise: precomputed U[-1/2, 1/2) draws [..., H] (scaled by width here) instead of the generator;
+    the trainer draws them per sample, so the noise a sample gets does not depend on how samples
+    are split across processes and micro-batches."""
     if width == 0:
         return features
+    if noise is not None:
+        return features + (noise * width).to(features.dtype)
     if generator is None:
         raise ValueError("noise_width > 0 needs a seeded torch.Generator; use noise_width=0 for evaluation")
     u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)  # [..., H]
@@ -244,11 +251,12 @@ def _weighted(step: StepLoss, cfg: Eagle2Config, topk_weight: float) -> Tensor: 
 
 # ---- EAGLE-2 ---------------------------------------------------------------------------------
 def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Config(),
-                generator: torch.Generator | None = None) -> LossOutput:
-    """One causal forward of the head over the noised true features (SPEC §1, EAGLE-2)."""
+                generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
+    """One causal forward of the head over the noised true features (SPEC §1, EAGLE-2).
+    noise: optional precomputed U[-1/2, 1/2) draws [B, T-1, H] (see add_uniform_noise)."""
     _require_frozen_shared(head)
     pairs = head_pairs(batch)
-    features = add_uniform_noise(pairs.features, cfg.noise_width, generator)  # [B, T-1, H]
+    features = add_uniform_noise(pairs.features, cfg.noise_width, generator, noise)  # [B, T-1, H]
     b, t = pairs.tokens.shape
     mask = causal_block_mask(t, 0, features.dtype, features.device).expand(b, 1, t, t)  # [B, 1, T-1, T-1]
     predicted = head(pairs.tokens, features, pairs.positions, mask)  # [B, T-1, H]
@@ -297,12 +305,13 @@ def aligned_outputs(head: EagleHead, tokens: Tensor, features: Tensor, positions
 
 
 def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig(),
-              generator: torch.Generator | None = None) -> LossOutput:
+              generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
     """EAGLE-2 terms + top-K distillation at each harmonized context alignment step, added
-    (SPEC §1, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step."""
+    (SPEC §1, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step.
+    noise: optional precomputed U[-1/2, 1/2) draws [B, T-1, H] (see add_uniform_noise)."""
     _require_frozen_shared(head)
     pairs = head_pairs(batch)
-    features = add_uniform_noise(pairs.features, cfg.noise_width, generator)  # [B, T-1, H]
+    features = add_uniform_noise(pairs.features, cfg.noise_width, generator, noise)  # [B, T-1, H]
     outputs = aligned_outputs(head, pairs.tokens, features, pairs.positions, cfg.steps)
     q = target_distribution(head, pairs.targets)  # [B, T-1, V]
     t = torch.arange(pairs.tokens.shape[1], device=features.device)  # [T-1]
@@ -311,3 +320,20 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
+
+
+# ---- pooling over processes and micro-batches ---------------------------------------------------
+def counted_positions(batch: TrainBatch, steps: int) -> Tensor:  # [steps] long
+    """Positions each step counts in `batch`, known before any forward (from the masks alone)."""
+    weight = head_pairs(batch).weight  # [B, T-1]
+    t = torch.arange(weight.shape[1], device=weight.device)  # [T-1]
+    return torch.stack([(weight & (t >= j - 1)[None]).sum() for j in range(1, steps + 1)])
+
+
+def pooled_loss(out: LossOutput, cfg: Eagle2Config, totals: Tensor) -> Tensor:  # []
+    """This micro-batch's share of the loss averaged over ALL counted positions of the optimizer
+    step (totals [steps], summed over every micro-batch of every process). Summing the gradients
+    of these shares gives exactly the gradient of one big batch, however it is split."""
+    topk_weight = cfg.topk_weight if isinstance(cfg, HassConfig) else 0.0
+    shares = [_weighted(s, cfg, topk_weight) * s.count / totals[j].clamp(min=1) for j, s in enumerate(out.steps)]
+    return torch.stack(shares).sum()

@@ -1,0 +1,31 @@
+"""The `taps data` subcommands: they parse arguments and call `taps.data` functions, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+
+from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `data` command group to the `taps` parser's subparsers."""
+    data = subparsers.add_parser("data", help="prepare training data: read, filter and mix sources")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    mix = dsub.add_parser("mix", help="draw records from several sources, shuffle them together, write JSONL")
+    mix.add_argument("--source", action="append", required=True, metavar="SPEC[:COUNT]",
+                     help=f"repeatable; SPEC is {SPEC_HELP}; a trailing :COUNT (digits) draws that many "
+                          "records, without it every record is taken")
+    mix.add_argument("--seed", type=int, default=42, help="seed of the draws and of the shuffle")
+    mix.add_argument("--out", required=True, help="output JSONL file (written atomically)")
+    mix.add_argument("--data-dir", help=f"folder laid out like shared/data (default: ${DATA_DIR_ENV})")
+    mix.add_argument("--english", action="store_true", help="keep English conversations only (a heuristic)")
+    mix.set_defaults(func=_mix)
+
+
+def _mix(args: argparse.Namespace) -> int:
+    from taps.data.mix import mix_sources, write_jsonl
+
+    records = mix_sources(args.source, args.seed, data_dir=args.data_dir, english=args.english, on_report=print)
+    out = write_jsonl(records, args.out)
+    print(f"wrote {len(records):,} records to {out}")
+    return 0

@@ -1,0 +1,208 @@
+"""Target features for drafter training: shards of (input_ids, loss_mask, hidden) per record.
+
+`hidden` is the target's last-layer feature at every position (HF hidden_states[-1], the LM
+head's input), computed by teacher forcing over the conversation rendered with the target's
+chat template; `loss_mask` marks the assistant tokens (data/chat.py).
+
+Layout of a features directory:
+    manifest.json              target fingerprint, hidden size, dtype, max_len, data file, counts
+    shard-00000.safetensors    input_ids [N] int32, loss_mask [N] uint8, hidden [N, H], offsets [R+1] int64
+Shards are written whole and atomically, then the manifest is replaced atomically, so a run
+killed at any point resumes after its last complete shard; a directory made for another target
+(tokenizer fingerprint) or another data file is refused instead of being mixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from taps.data.chat import encode_conversation
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+class FeaturesError(ValueError):
+    pass
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Our normalised JSONL ({"id", "source", "conversations": [{"role", "content"}]}), one per line."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise FeaturesError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+                raise FeaturesError(f"{path}:{lineno}: expected an object with a 'conversations' list")
+            records.append(record)
+    return records
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class FeatureSettings:
+    max_len: int = 2048
+    dtype: str = "bf16"
+    records_per_shard: int = 512
+    tokens_per_batch: int = 8192  # padded tokens per target forward
+
+
+def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_records: int) -> dict:
+    fresh = {"format_version": FORMAT_VERSION, "tokenizer_fingerprint": target.fingerprint(),
+             "target_name": getattr(target.config, "_name_or_path", "") or "", "hidden_size": target.hidden_size,
+             "dtype": settings.dtype, "max_len": settings.max_len, "data_file": str(data),
+             "data_digest": file_digest(data), "records_total": n_records, "records_done": 0, "tokens": 0,
+             "assistant_tokens": 0, "truncated_records": 0, "sources": {}, "shards": [], "complete": False}
+    path = out / MANIFEST
+    if not path.is_file():
+        if any(out.glob("shard-*.safetensors")):
+            raise FeaturesError(f"{out} holds shards but no {MANIFEST}: refusing to mix; use an empty directory")
+        return fresh
+    manifest = json.loads(path.read_text())
+    for key in ("tokenizer_fingerprint", "hidden_size", "max_len", "dtype", "data_digest"):
+        if manifest.get(key) != fresh[key]:
+            raise FeaturesError(f"{path}: {key} is {manifest.get(key)!r} but this run has {fresh[key]!r}; "
+                                "these shards belong to another target or data set: use another --out")
+    return manifest
+
+
+def extract_features(target, data: str | Path, out: str | Path, settings: FeatureSettings = FeatureSettings(),
+                     progress=sys.stderr) -> dict:
+    """Write (or resume) the features of every record of `data` under `out`; returns the manifest."""
+    if target.tokenizer is None:
+        raise FeaturesError("the target has no tokenizer: features need its chat template")
+    if settings.dtype not in _DTYPES:
+        raise FeaturesError(f"unknown dtype {settings.dtype!r}; expected one of {', '.join(_DTYPES)}")
+    data, out = Path(data), Path(out)
+    records = read_records(data)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _open_manifest(out, target, data, settings, len(records))
+    start_t, done_tokens, done_records = time.time(), 0, 0
+    while manifest["records_done"] < len(records):
+        first = manifest["records_done"]
+        chunk = records[first:first + settings.records_per_shard]
+        encoded = []
+        for i, record in enumerate(chunk):
+            try:
+                ids, mask = encode_conversation(target.tokenizer, record["conversations"], None)
+            except ValueError as err:
+                raise FeaturesError(f"{data}: record {first + i + 1} (id {record.get('id')!r}): {err}") from None
+            manifest["truncated_records"] += len(ids) > settings.max_len
+            encoded.append((ids[: settings.max_len], mask[: settings.max_len]))
+        hidden = _features_in_batches(target, [ids for ids, _ in encoded], settings)
+        name = f"shard-{len(manifest['shards']):05d}.safetensors"
+        lengths = [len(ids) for ids, _ in encoded]
+        tensors = {
+            "input_ids": torch.tensor([t for ids, _ in encoded for t in ids], dtype=torch.int32),  # [N]
+            "loss_mask": torch.tensor([m for _, mask in encoded for m in mask], dtype=torch.uint8),  # [N]
+            "hidden": torch.cat(hidden).to(_DTYPES[settings.dtype]).cpu().contiguous(),  # [N, H]
+            "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),  # [R+1]
+        }
+        tmp = out / f".{name}.tmp"
+        save_file(tensors, tmp)
+        os.replace(tmp, out / name)
+        n_tokens = sum(lengths)
+        manifest["shards"].append({"name": name, "first_record": first, "records": len(chunk), "tokens": n_tokens})
+        manifest["records_done"] += len(chunk)
+        manifest["tokens"] += n_tokens
+        manifest["assistant_tokens"] += int(tensors["loss_mask"].sum())
+        sources = Counter(manifest["sources"])
+        sources.update(str(r.get("source", "unknown")) for r in chunk)
+        manifest["sources"] = dict(sources)
+        manifest["complete"] = manifest["records_done"] == len(records)
+        _write_json_atomic(out / MANIFEST, manifest)
+        done_tokens, done_records = done_tokens + n_tokens, done_records + len(chunk)
+        elapsed = max(time.time() - start_t, 1e-9)
+        eta = (len(records) - manifest["records_done"]) * elapsed / done_records
+        if progress is not None:
+            print(f"features: {manifest['records_done']}/{len(records)} records, {manifest['tokens']:,} tokens, "
+                  f"{done_tokens / elapsed:,.0f} tokens/s, ETA {eta / 60:.1f} min", file=progress, flush=True)
+    return manifest
+
+
+def _features_in_batches(target, sequences: list[list[int]], settings: FeatureSettings) -> list[torch.Tensor]:
+    """Right-padded batches under a padded-token budget; returns one [T_i, H] tensor per sequence."""
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batch: list[int] = []
+
+    def flush():
+        width = max(len(sequences[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
+        mask = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]
+        for row, i in enumerate(batch):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            mask[row, : len(sequences[i])] = 1
+        hidden = target.encode(ids, mask)  # [B, T, H]
+        for row, i in enumerate(batch):
+            out[i] = hidden[row, : len(sequences[i])].cpu()
+        batch.clear()
+
+    for i in order:
+        width = max([len(sequences[j]) for j in batch] + [len(sequences[i])])
+        if batch and width * (len(batch) + 1) > settings.tokens_per_batch:
+            flush()
+        batch.append(i)
+    if batch:
+        flush()
+    return out  # type: ignore[return-value]
+
+
+class FeatureShards:
+    """Read-only view of a features directory: records by index, each (input_ids, loss_mask, hidden)."""
+
+    def __init__(self, path: str | Path, fingerprint: str | None = None):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise FeaturesError(f"{manifest_path}: missing; run `taps features` first")
+        self.manifest = json.loads(manifest_path.read_text())
+        if fingerprint is not None and self.manifest["tokenizer_fingerprint"] != fingerprint:
+            raise FeaturesError(f"{manifest_path}: made for tokenizer {self.manifest['tokenizer_fingerprint']}, "
+                                f"not the target's {fingerprint}")
+        self._index = [(s["name"], j) for s in self.manifest["shards"] for j in range(s["records"])]
+        self._offsets = {}
+        for shard in self.manifest["shards"]:
+            with safe_open(self.path / shard["name"], framework="pt") as f:
+                self._offsets[shard["name"]] = f.get_tensor("offsets")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        name, j = self._index[i]
+        lo, hi = int(self._offsets[name][j]), int(self._offsets[name][j + 1])
+        with safe_open(self.path / name, framework="pt") as f:
+            return {key: f.get_slice(key)[lo:hi] for key in ("input_ids", "loss_mask", "hidden")}

@@ -1,0 +1,91 @@
+"""Training mixtures: a fixed number of conversations drawn from each source, shuffled together,
+reproducible from a seed. The paper's variants are mixtures: `sharegpt:35000` + `mathinstruct:PATH:35000`.
+
+Spec grammar: ``SOURCE[:COUNT]``, SOURCE as in `taps.data.sources.load_source`. A last
+colon-separated part made only of digits is always the COUNT, so `gsm8k:7000` is 7,000 records of the
+default GSM8K split, `gsm8k:/data/train.jsonl:35000` a file and a count, and a path with colons
+(`messages:/data/a:b.jsonl`) needs nothing special. The one case that needs care: a path whose last
+colon-part is all digits (`/data/run:2`) must be followed by an explicit count.
+Without a COUNT a source contributes all its records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
+
+_COUNT = re.compile(r"[0-9]+")
+
+
+def parse_count(spec: str) -> tuple[str, int | None]:
+    """Split `SOURCE[:COUNT]` into the source spec and the count (None: every record)."""
+    head, sep, tail = spec.rpartition(":")
+    if not (sep and head and _COUNT.fullmatch(tail)):
+        return spec, None
+    if int(tail) == 0:
+        raise SourceSpecError(f"{spec}: the count must be positive (omit it to take every record)")
+    return head, int(tail)
+
+
+def _draw(records: list[Record], count: int | None, seed: int, spec: str, report: SourceReport) -> list[Record]:
+    """`count` records without replacement. The order comes from shuffling the whole source with a
+    generator seeded by (seed, spec), so a source's sample does not depend on the other sources of
+    the mix, and a smaller count is a prefix of a larger one (35k+35k is inside 70k+70k)."""
+    if count is not None and count > len(records):
+        after = " after the English filter" if "not_english" in report.dropped else ""
+        raise SourceSpecError(f"{spec}: asked for {count:,} records, only {len(records):,} available{after}")
+    order = list(records)
+    random.Random(f"{seed}:{spec}").shuffle(order)
+    return order[:count]
+
+
+def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None, english: bool = False,
+                on_report: Callable[[SourceReport], None] | None = None) -> list[Record]:
+    """Records drawn from every `SOURCE[:COUNT]` spec and shuffled together. Each record keeps the
+    `source` tag its reader set (the source's name: sharegpt, gsm8k, ...), so a mixture can be split by
+    domain again. `english` applies `english_only` to each source before drawing (counted in the
+    report as not_english). `on_report` sees each source's report once it is read."""
+    mixed: list[Record] = []
+    for text in specs:
+        spec, count = parse_count(text)
+        records, report = load_source(spec, data_dir)
+        if english:
+            records = _english(records, report)
+        if on_report is not None:
+            on_report(report)
+        mixed.extend(_draw(records, count, seed, spec, report))
+    random.Random(seed).shuffle(mixed)
+    return mixed
+
+
+def _english(records: list[Record], report: SourceReport) -> list[Record]:
+    """english_only, with the records it drops counted in the report."""
+    kept = english_only(records)
+    if len(kept) < len(records):
+        report.dropped["not_english"] = len(records) - len(kept)
+    report.kept = len(kept)
+    return kept
+
+
+def write_jsonl(records: Iterable[Record], path: str | Path) -> Path:
+    """One JSON record per line, written to a temporary file beside the target and moved into place,
+    so an interrupted run never leaves a half-written training set under the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

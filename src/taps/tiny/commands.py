@@ -1,0 +1,63 @@
+"""`taps tiny ...`: build the embedded default. Handlers parse arguments and call the recipe."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tiny", help="build the embedded tiny chat+math target (and its drafters)")
+    tsub = p.add_subparsers(dest="tiny_command", required=True)
+    b = tsub.add_parser("build-target", help="train the tiny target from ShareGPT + GSM8K (resumable)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    b.add_argument("--out", required=True, help="where the finished model is saved (Hugging Face layout)")
+    b.add_argument("--work", help="checkpoints, caches and log (default: OUT.work)")
+    b.add_argument("--minutes", type=float, help="wall-clock cap; stops early (and records it) when hit")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--steps", type=int, default=2000)
+    b.add_argument("--batch-size", type=int, default=8)
+    b.add_argument("--seq-len", type=int, default=512)
+    b.add_argument("--lr", type=float, default=2e-3)
+    b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.add_argument("--chat-source", default="sharegpt", help="source spec of the chat domain")
+    b.add_argument("--math-source", default="gsm8k:train", help="source spec of the math domain")
+    b.set_defaults(func=_build_target)
+
+    c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
+    c.add_argument("--target", required=True)
+    c.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    c.add_argument("--n", type=int, default=20, help="questions per benchmark")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--samples", help="write every question and answer to this JSONL file")
+    c.set_defaults(func=_check_target)
+
+
+def _build_target(args) -> int:
+    from taps.tiny.target_recipe import TargetRecipe, build_target
+
+    recipe = TargetRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
+                          seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                          lr=args.lr, minutes=args.minutes, threads=args.threads)
+    build_target(recipe, args.out, args.work or f"{args.out.rstrip('/')}.work")
+    return 0
+
+
+def _check_target(args) -> int:
+    import json
+    import os
+
+    from taps.target import Target
+    from taps.tiny.target_check import as_dict, check_target
+
+    data_dir = args.data_dir or os.environ.get("TAPS_DATA_DIR")
+    if not data_dir:
+        raise ValueError("no data directory: pass --data-dir or set TAPS_DATA_DIR")
+    samples: list = []
+    check = check_target(Target.load(args.target, device="cpu", dtype="float32"), data_dir, args.n,
+                         args.max_new_tokens, samples)
+    if args.samples:
+        with open(args.samples, "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    print(json.dumps(as_dict(check), indent=2))
+    return 0

@@ -1,0 +1,100 @@
+"""Is the tiny target a real model of both domains? Two checks for the model card:
+
+- math: greedy answers to GSM8K test questions follow GSM8K's solution format (at least one
+  `<<...>>` calculator annotation and a final `#### <number>` line); the final number's accuracy
+  is reported too, for information;
+- chat: answers to MT-Bench first turns are not a repeated phrase: the share of distinct word
+  4-grams among all word 4-grams of each answer (1.0 = no 4-gram repeats).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from taps.config import DecodeConfig
+from taps.decode import chat_ids, generate
+from taps.target import Target
+
+FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+ANNOTATION = re.compile(r"<<[^<>]*=[^<>]*>>")
+
+
+def follows_gsm8k_format(answer: str) -> bool:
+    return bool(ANNOTATION.search(answer)) and bool(FINAL.search(answer.strip()))
+
+
+def final_number(answer: str) -> str | None:
+    match = FINAL.search(answer.strip())
+    return match.group(1).replace(",", "") if match else None
+
+
+def distinct_4gram_share(text: str) -> float:
+    words = text.split()
+    grams = [tuple(words[i:i + 4]) for i in range(len(words) - 3)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def _jsonl(path: Path, n: int) -> list[dict]:
+    rows = []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if len(rows) == n:
+                break
+    return rows
+
+
+@dataclass
+class TargetCheck:
+    gsm8k_questions: int
+    gsm8k_format_share: float
+    gsm8k_accuracy: float
+    mt_bench_questions: int
+    mt_bench_distinct_4gram_mean: float
+    mt_bench_distinct_4gram_min: float
+    mean_answer_tokens_gsm8k: float
+    mean_answer_tokens_mt_bench: float
+
+
+def _answer(target: Target, question: str, max_new_tokens: int) -> tuple[str, int]:
+    tok = target.tokenizer
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids())
+    result = generate(target, None, chat_ids(tok, [{"role": "user", "content": question}]), cfg)
+    stop = set(cfg.stop_token_ids)
+    return tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True), len(result.tokens)
+
+
+def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_tokens: int = 256,
+                 samples: list | None = None) -> TargetCheck:
+    """Greedy answers to the first n GSM8K-test and n MT-Bench questions (first turn)."""
+    data_dir = Path(data_dir)
+    gsm = _jsonl(data_dir / "gsm8k" / "test.jsonl", n)
+    mt = _jsonl(data_dir / "mt_bench" / "question.jsonl", n)
+    fmt, correct, gsm_len = 0, 0, 0
+    for row in gsm:
+        answer, length = _answer(target, row["question"], max_new_tokens)
+        fmt += follows_gsm8k_format(answer)
+        correct += final_number(answer) == final_number(row["answer"])
+        gsm_len += length
+        if samples is not None:
+            samples.append({"bench": "gsm8k", "question": row["question"], "answer": answer})
+    shares, mt_len = [], 0
+    for row in mt:
+        answer, length = _answer(target, row["turns"][0], max_new_tokens)
+        shares.append(distinct_4gram_share(answer))
+        mt_len += length
+        if samples is not None:
+            samples.append({"bench": "mt_bench", "question": row["turns"][0], "answer": answer})
+    return TargetCheck(
+        gsm8k_questions=len(gsm), gsm8k_format_share=fmt / len(gsm), gsm8k_accuracy=correct / len(gsm),
+        mt_bench_questions=len(mt), mt_bench_distinct_4gram_mean=sum(shares) / len(shares),
+        mt_bench_distinct_4gram_min=min(shares), mean_answer_tokens_gsm8k=gsm_len / len(gsm),
+        mean_answer_tokens_mt_bench=mt_len / len(mt))
+
+
+def as_dict(check: TargetCheck) -> dict:
+    return asdict(check)

@@ -1,0 +1,298 @@
+"""Recipe for the tiny chat+math target: corpus -> tokenizer -> packed blocks -> LM training -> save.
+
+The target is a small LlamaForCausalLM trained on whole conversations from English ShareGPT
+(chat) and GSM8K train (math), half of every batch from each domain, so both are well
+represented whatever their sizes. Everything derives from the seed: the held-out split, the
+tokenizer, the packing order and the batch order (block k of a domain is a pure function of k),
+so an interrupted run resumes from its last checkpoint to the same weights.
+
+Work directory (resumable):      out directory (the shipped model):
+    split.json  tokenizer/           config.json  model.safetensors (bf16)
+    tokens-*.npy                     tokenizer.json  tokenizer_config.json
+    ckpt/step-*/  ckpt/latest        generation_config.json  recipe.json
+    log.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from taps.tiny.tokenizer import END_OF_TURN, save_tokenizer, train_tokenizer
+from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
+
+DOMAINS = ("chat", "math")
+
+
+@dataclass
+class TargetRecipe:
+    data_dir: str | None = None  # laid out like ../shared/data (gsm8k/train.jsonl); else TAPS_DATA_DIR
+    chat_source: str = "sharegpt"  # source spec of the chat domain (English conversations are kept)
+    math_source: str = "gsm8k:train"
+    seed: int = 0
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    layers: int = 6
+    heads: int = 4
+    kv_heads: int = 4
+    intermediate_size: int = 704
+    max_positions: int = 2048
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per step, half from each domain
+    steps: int = 2000
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    minutes: float | None = None  # wall-clock cap; the run stops early (and says so) when it is hit
+    eval_every: int = 200
+    ckpt_every: int = 100
+    eval_blocks: int = 32  # held-out blocks per domain per evaluation
+    holdout_frac: float = 0.02
+    chat_max_tokens: int = 768  # long ShareGPT conversations are cut: first turns matter most
+    tokenizer_chars: int = 30_000_000  # text used to train the tokenizer, split evenly across domains
+    limit_per_domain: int | None = None  # toy runs
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def log(msg: str) -> None:
+    print(f"[tiny-target {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- corpus ---------------------------------------------------------------------------------------
+def load_domains(recipe: TargetRecipe) -> dict[str, list[dict]]:
+    from taps.data.sources import english_only, load_source
+
+    chat, chat_report = load_source(recipe.chat_source, recipe.data_dir)
+    log(f"chat: {chat_report}")
+    chat = english_only(chat)
+    log(f"chat: {len(chat)} English conversations kept")
+    math_records, math_report = load_source(recipe.math_source, recipe.data_dir)
+    log(f"math: {math_report}")
+    domains = {"chat": chat, "math": math_records}
+    if recipe.limit_per_domain:
+        domains = {d: r[: recipe.limit_per_domain] for d, r in domains.items()}
+    return domains
+
+
+def split_domains(domains: dict[str, list[dict]], frac: float, seed: int) -> dict[str, dict[str, list[dict]]]:
+    """Deterministic train / held-out split per domain."""
+    out = {}
+    for d, records in domains.items():
+        order = list(range(len(records)))
+        random.Random(f"{seed}-{d}").shuffle(order)
+        n_hold = max(1, round(frac * len(records)))
+        out[d] = {"heldout": [records[i] for i in order[:n_hold]], "train": [records[i] for i in order[n_hold:]]}
+    return out
+
+
+def tokenizer_texts(splits, budget_chars: int):
+    """Training text for the tokenizer: train-split turns, up to budget_chars per domain share."""
+    share = budget_chars // len(splits)
+    for d in splits:
+        used = 0
+        for record in splits[d]["train"]:
+            for turn in record["conversations"]:
+                yield turn["content"]
+                used += len(turn["content"])
+            if used >= share:
+                break
+
+
+def encode_domain(tokenizer, records: list[dict], max_tokens: int | None) -> np.ndarray:
+    """Render each conversation with the chat template, tokenize, cut, concatenate: [tokens] int32."""
+    texts = [tokenizer.apply_chat_template(r["conversations"], tokenize=False) for r in records]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if max_tokens:
+        ids = [x[:max_tokens] for x in ids]
+    return np.fromiter((t for x in ids for t in x), dtype=np.int32)
+
+
+class BlockStream:
+    """Fixed-length blocks of a packed token array; block k is a pure function of (seed, k), so
+    training resumes at any step with no stored data position."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        n = len(tokens) // seq_len
+        if n == 0:
+            raise ValueError(f"only {len(tokens)} tokens: not one block of {seq_len}")
+        self.blocks = torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, seq_len)  # [n, seq_len]
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def take(self, start: int, count: int) -> torch.Tensor:  # [count, seq_len]
+        rows = []
+        for k in range(start, start + count):
+            epoch, i = divmod(k, len(self))
+            perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+            rows.append(self.blocks[perm[i]])
+        return torch.stack(rows)
+
+
+# ---- model and schedule ---------------------------------------------------------------------------
+def build_model(recipe: TargetRecipe, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
+        max_position_embeddings=recipe.max_positions, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)],
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.02,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        return LlamaForCausalLM(config)
+
+
+def learning_rate(recipe: TargetRecipe, step: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak at `steps`."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = min(1.0, (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup))
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model, stream: BlockStream, blocks: int, batch: int = 8) -> float:
+    model.eval()
+    losses = []
+    for start in range(0, min(blocks, len(stream)), batch):
+        x = stream.blocks[start:start + min(batch, blocks - start)]
+        losses.append(float(model(input_ids=x, labels=x).loss) * x.shape[0])
+    model.train()
+    return sum(losses) / min(blocks, len(stream))
+
+
+# ---- the recipe -----------------------------------------------------------------------------------
+def prepare(recipe: TargetRecipe, work: Path):
+    """Split, tokenizer and packed token arrays, each cached in the work directory."""
+    from transformers import AutoTokenizer
+
+    tok_dir = work / "tokenizer"
+    arrays = {(d, s): work / f"tokens-{d}-{s}.npy" for d in DOMAINS for s in ("train", "heldout")}
+    if tok_dir.is_dir() and all(p.is_file() for p in arrays.values()):
+        log(f"reusing tokenizer and token arrays in {work}")
+        return AutoTokenizer.from_pretrained(tok_dir), {k: np.load(p) for k, p in arrays.items()}
+    splits = split_domains(load_domains(recipe), recipe.holdout_frac, recipe.seed)
+    (work / "split.json").write_text(json.dumps(
+        {d: {s: [r["id"] for r in splits[d][s]] for s in splits[d]} for d in splits}))
+    t0 = time.time()
+    tokenizer = train_tokenizer(tokenizer_texts(splits, recipe.tokenizer_chars), recipe.vocab_size)
+    save_tokenizer(tokenizer, tok_dir)
+    log(f"tokenizer: {len(tokenizer)} tokens, trained in {time.time() - t0:.0f}s")
+    tokens = {}
+    for (d, s), path in arrays.items():
+        cut = recipe.chat_max_tokens if d == "chat" else None
+        tokens[(d, s)] = encode_domain(tokenizer, splits[d][s], cut)
+        np.save(path.with_suffix(".tmp.npy"), tokens[(d, s)])
+        os.replace(path.with_suffix(".tmp.npy"), path)
+        log(f"{d}/{s}: {len(splits[d][s])} conversations, {len(tokens[(d, s)]):,} tokens")
+    return tokenizer, tokens
+
+
+def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Path:
+    out, work = Path(out), Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    if recipe.batch_size % 2:
+        raise ValueError(f"batch_size must be even (half per domain), got {recipe.batch_size}")
+    tokenizer, tokens = prepare(recipe, work)
+    train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i) for i, d in enumerate(DOMAINS)}
+    heldout = {d: BlockStream(tokens[(d, "heldout")], recipe.seq_len, 0) for d in DOMAINS}
+
+    model = build_model(recipe, tokenizer)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    step, elapsed_before = 0, 0.0
+    ckpt = latest_checkpoint(work / "ckpt")
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        step, elapsed_before = state["step"], state["extra"].get("elapsed_s", 0.0)
+        log(f"resumed from {ckpt} at step {step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters; training {recipe.steps} steps of "
+        f"{recipe.batch_size} x {recipe.seq_len} tokens, threads {torch.get_num_threads()}")
+
+    per_domain = recipe.batch_size // 2
+    logfile = (work / "log.jsonl").open("a")
+    start, window_t, window_tokens, stopped_early = time.time(), time.time(), 0, False
+    model.train()
+    while step < recipe.steps:
+        if recipe.minutes is not None and elapsed_before + time.time() - start >= recipe.minutes * 60:
+            stopped_early = True
+            log(f"time cap of {recipe.minutes} min reached at step {step}")
+            save_checkpoint(work / "ckpt", step, model, optimizer, extra={"elapsed_s": elapsed_before + time.time() - start})
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(recipe, step)
+        x = torch.cat([train[d].take(step * per_domain, per_domain) for d in DOMAINS])  # [B, seq_len]
+        loss = model(input_ids=x, labels=x).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
+                                     f"{latest_checkpoint(work / 'ckpt')}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window_tokens += x.numel()
+        elapsed = elapsed_before + time.time() - start
+        if step % 10 == 0 or step == recipe.steps:
+            tps = window_tokens / (time.time() - window_t)
+            eta = (recipe.steps - step) * x.numel() / max(tps, 1e-9)
+            entry = {"step": step, "loss": round(float(loss.detach()), 4), "lr": learning_rate(recipe, step - 1),
+                     "tokens_per_s": round(tps, 1), "elapsed_s": round(elapsed, 1),
+                     "tokens_seen": step * x.numel()}
+            logfile.write(json.dumps(entry) + "\n")
+            logfile.flush()
+            log(f"step {step}/{recipe.steps} loss {float(loss.detach()):.3f} {tps:.0f} tok/s ETA {eta / 60:.0f} min")
+            window_t, window_tokens = time.time(), 0
+        if step % recipe.eval_every == 0 or step == recipe.steps:
+            evals = {f"heldout_loss_{d}": round(heldout_loss(model, heldout[d], recipe.eval_blocks), 4) for d in DOMAINS}
+            logfile.write(json.dumps({"step": step, **evals}) + "\n")
+            logfile.flush()
+            log(f"step {step}: {evals}")
+        if step % recipe.ckpt_every == 0 or step == recipe.steps:
+            save_checkpoint(work / "ckpt", step, model, optimizer, extra={"elapsed_s": elapsed})
+    logfile.close()
+
+    final_eval = {f"heldout_loss_{d}": heldout_loss(model, heldout[d], len(heldout[d])) for d in DOMAINS}
+    save_pretrained_target(model, tokenizer, out)
+    summary = {"recipe": asdict(recipe), "steps_done": step, "stopped_early": stopped_early,
+               "tokens_seen": step * recipe.batch_size * recipe.seq_len,
+               "wall_time_s": round(elapsed_before + time.time() - start, 1), "parameters": n_params,
+               "heldout": final_eval,
+               "corpus_tokens": {f"{d}/{s}": int(len(t)) for (d, s), t in tokens.items()},
+               "command": " ".join(sys.argv)}
+    (out / "recipe.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"saved the target to {out}: {final_eval}")
+    return out
+
+
+def save_pretrained_target(model, tokenizer, out: Path) -> None:
+    """16-bit safetensors weights + tokenizer + a generation config that stops at end of turn."""
+    import copy
+
+    out.mkdir(parents=True, exist_ok=True)
+    shipped = copy.deepcopy(model).to(torch.bfloat16)
+    shipped.generation_config.eos_token_id = model.config.eos_token_id
+    shipped.generation_config.pad_token_id = tokenizer.pad_token_id
+    shipped.generation_config.bos_token_id = tokenizer.bos_token_id
+    shipped.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)

@@ -1,0 +1,297 @@
+"""Drafter training (EAGLE-2 or HASS) on target features, from one CPU to many GPUs.
+
+The same code runs alone or under `accelerate launch --num_processes N`: every process takes a
+fixed slice of each global batch and the head's gradients are summed across processes before
+the optimizer step (data parallelism, as DDP does). Losses are averaged over all counted
+positions of the global batch (train/losses.py `pooled_loss`), and each sample's feature noise
+is drawn from a generator seeded by (seed, epoch, sample), so N processes with per-process batch
+B/N reproduce one process with batch B up to float summation order.
+
+Determinism and resume: the epoch order, the batches and the noise are pure functions of the
+seed and the global step, so a run resumed from any checkpoint ends at the same weights as an
+uninterrupted one. A checkpoint holds the head in the DESIGN.md layout, the optimizer and the
+RNG (train/state.py); one is written at the end of every epoch (and every --checkpoint-steps).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from taps.data.features import FeatureShards
+from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
+from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
+                               pooled_loss)
+from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
+
+BACKBONES = ("eagle2", "hass")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    backbone: str = "eagle2"
+    epochs: int = 20
+    lr: float = 3e-5
+    batch_size: int = 8  # per process; global batch = batch_size * processes * grad_accum
+    grad_accum: int = 1
+    warmup_steps: int = 2000  # linear warm-up, then linear decay to 0 (the EAGLE schedule)
+    max_grad_norm: float = 0.5
+    max_len: int | None = None  # cut samples (EAGLE 2048, HASS 1024 in the paper)
+    heldout_frac: float = 0.05
+    hass_topk: int = 10
+    hass_steps: int = 3
+    noise_width: float = 0.2
+    seed: int = 0
+    checkpoint_steps: int | None = None
+    log_every: int = 10
+    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    training_data: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"unknown backbone {self.backbone!r}; expected one of {', '.join(BACKBONES)}")
+        for name in ("epochs", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def loss_config(self, noise: bool = True, depths: int | None = None):
+        """The backbone's objective; with `depths`, its terms over that many aligned steps (for
+        top-1 agreement at depths 1..depths, whatever the backbone)."""
+        width = self.noise_width if noise else 0.0
+        if self.backbone == "hass":
+            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths or self.hass_steps)
+        if depths:
+            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths, topk_weight=0.0)
+        return Eagle2Config(noise_width=width)
+
+    @property
+    def loss_steps(self) -> int:
+        return self.hass_steps if self.backbone == "hass" else 1
+
+
+def split_indices(n: int, frac: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_hold = max(1, round(frac * n)) if n > 1 else 0
+    return sorted(order[n_hold:]), sorted(order[:n_hold])
+
+
+def sample_noise(seed: int, epoch: int, index: int, length: int, hidden: int) -> torch.Tensor:
+    """U[-1/2, 1/2) draws [length - 1, H] for one sample's input features, layout-independent."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + index)
+    return torch.rand(max(length - 1, 0), hidden, generator=gen) - 0.5
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+class Trainer:
+    def __init__(self, target, features: str | Path, out: str | Path, cfg: TrainConfig, accelerator=None):
+        from accelerate import Accelerator
+
+        self.cfg, self.out = cfg, Path(out)
+        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.target = target
+        target.model.requires_grad_(False)
+        self.shards = FeatureShards(features, fingerprint=target.fingerprint())
+        if self.shards.manifest["hidden_size"] != target.hidden_size:
+            raise TrainingError(f"{features}: features of hidden size {self.shards.manifest['hidden_size']}, "
+                                f"the target's is {target.hidden_size}")
+        self.train_idx, self.heldout_idx = split_indices(len(self.shards), cfg.heldout_frac, cfg.seed)
+        self.global_batch = cfg.batch_size * self.acc.num_processes * cfg.grad_accum
+        self.steps_per_epoch = len(self.train_idx) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise TrainingError(f"{len(self.train_idx)} training records are fewer than one global batch of "
+                                f"{self.global_batch} ({cfg.batch_size} x {self.acc.num_processes} processes x "
+                                f"{cfg.grad_accum} accumulation)")
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.head = init_head(target.model.config, seed=cfg.seed).to(self.acc.device)
+        self.head.bind(target.embed_tokens, target.lm_head)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+        self.step = 0
+
+    # ---- data -----------------------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> list[int]:
+        perm = torch.randperm(len(self.train_idx), generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
+        return [self.train_idx[i] for i in perm.tolist()]
+
+    def _micro_batches(self, step: int):
+        """This process's micro-batches of global step `step`, and the counted positions of the
+        whole global batch (summed over processes) for pooling the loss."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        order = self._epoch_order(epoch)[offset * self.global_batch:(offset + 1) * self.global_batch]
+        per_micro = self.cfg.batch_size * self.acc.num_processes
+        micro = []
+        for m in range(self.cfg.grad_accum):
+            chunk = order[m * per_micro:(m + 1) * per_micro]
+            mine = chunk[self.acc.process_index * self.cfg.batch_size:(self.acc.process_index + 1) * self.cfg.batch_size]
+            micro.append(self._batch(mine, epoch))
+        totals = sum(counted_positions(b, self.cfg.loss_steps) for b, _ in micro)
+        return micro, self.acc.reduce(totals.to(self.acc.device), reduction="sum")
+
+    def _batch(self, indices: list[int], epoch: int):
+        samples, noises = [], []
+        for i in indices:
+            rec = self.shards[i]
+            n = rec["input_ids"].shape[0] if self.cfg.max_len is None else min(self.cfg.max_len, rec["input_ids"].shape[0])
+            samples.append((rec["input_ids"][:n].long(), rec["hidden"][:n].float(), rec["loss_mask"][:n]))
+            noises.append(sample_noise(self.cfg.seed, epoch, i, n, self.target.hidden_size))
+        batch = pad_batch(samples)
+        width = batch.input_ids.shape[1] - 1
+        noise = torch.zeros(len(indices), width, self.target.hidden_size)  # [B, T-1, H]
+        for row, nz in enumerate(noises):
+            noise[row, : nz.shape[0]] = nz
+        dev = self.acc.device
+        batch = type(batch)(input_ids=batch.input_ids.to(dev), hidden=batch.hidden.to(dev),
+                            loss_mask=batch.loss_mask.to(dev), lengths=batch.lengths.to(dev))
+        return batch, noise.to(dev)
+
+    def _loss(self, batch, noise, cfg):
+        fn = hass_loss if isinstance(cfg, HassConfig) else eagle2_loss
+        with self.acc.autocast():
+            return fn(self.head, batch, cfg, noise=noise)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def info(self) -> DrafterInfo:
+        return DrafterInfo(backbone=self.cfg.backbone, training_data=self.cfg.training_data,
+                           target_name=str(getattr(self.target.config, "_name_or_path", "")),
+                           tokenizer_fingerprint=self.target.fingerprint(),
+                           extra={"train_config": asdict(self.cfg), "steps": self.step,
+                                  "features": self.shards.manifest.get("data_file", "")})
+
+    def resume(self) -> bool:
+        ckpt = latest_checkpoint(self.out / "ckpt")
+        if ckpt is None:
+            return False
+        state = load_checkpoint(ckpt, self.head, self.optimizer)
+        self.step = int(state["step"])
+        if state["extra"].get("global_batch") != self.global_batch:
+            raise TrainingError(f"{ckpt}: saved with global batch {state['extra'].get('global_batch')}, this run "
+                                f"has {self.global_batch}; resume with the same batch layout")
+        return True
+
+    def _save(self, metrics: dict) -> None:
+        if self.acc.is_main_process:
+            save_checkpoint(self.out / "ckpt", self.step, self.head, self.optimizer,
+                            extra={"global_batch": self.global_batch, "metrics": metrics})
+            save_head(self.head, self.out / "ckpt" / f"step-{self.step:06d}" / "head", self.info())
+        self.acc.wait_for_everyone()
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss (the backbone's own) and top-1 agreement with the target at depths 1..3."""
+        self.head.eval()
+        mine = self.heldout_idx[self.acc.process_index::self.acc.num_processes]
+        sums = torch.zeros(8, device=self.acc.device)  # loss*n, n, top1@1..3 * n_j, n_1..n_3
+        own_cfg, deep_cfg = self.cfg.loss_config(noise=False), self.cfg.loss_config(noise=False, depths=3)
+        for start in range(0, len(mine), self.cfg.batch_size):
+            batch, _ = self._batch(mine[start:start + self.cfg.batch_size], epoch=0)
+            own = self._loss(batch, None, own_cfg)
+            sums[0] += own.loss.float() * own.steps[0].count
+            sums[1] += own.steps[0].count
+            for j, s in enumerate(self._loss(batch, None, deep_cfg).steps):
+                sums[2 + j] += s.top1.float() * s.count
+                sums[5 + j] += s.count
+        sums = self.acc.reduce(sums, reduction="sum")
+        self.head.train()
+        out = {"heldout_loss": float(sums[0] / sums[1].clamp(min=1))}
+        out.update({f"heldout_top1_depth{j + 1}": float(sums[2 + j] / sums[5 + j].clamp(min=1)) for j in range(3)})
+        return out
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self, progress: bool = True) -> Path:
+        from tqdm.auto import tqdm
+
+        log = (self.out / "metrics.jsonl").open("a") if self.acc.is_main_process else None
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and self.acc.is_main_process),
+                   desc=f"train {self.cfg.backbone}", unit="step", dynamic_ncols=True)
+        window_t, window_tokens, last = time.time(), 0, {}
+        self.head.train()
+        while self.step < self.total_steps:
+            micro, totals = self._micro_batches(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr * lr_factor(self.step, self.cfg.warmup_steps, self.total_steps)
+            step_loss = torch.zeros((), device=self.acc.device)
+            cfg = self.cfg.loss_config()
+            for batch, noise in micro:
+                out = self._loss(batch, noise, cfg)
+                if not torch.isfinite(out.loss):
+                    raise TrainingError(
+                        f"non-finite loss ({float(out.loss.detach())}) at step {self.step} (epoch "
+                        f"{self.step // self.steps_per_epoch + 1}); stopped without saving; last good checkpoint: "
+                        f"{latest_checkpoint(self.out / 'ckpt')}")
+                share = pooled_loss(out, cfg, totals)
+                share.backward()
+                step_loss += share.detach()
+                window_tokens += int(batch.lengths.sum())
+            for p in self.head.parameters():  # data parallel: sum the gradient shares of all processes
+                if p.grad is not None:
+                    p.grad = self.acc.reduce(p.grad, reduction="sum")
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            loss = float(self.acc.reduce(step_loss, reduction="sum"))
+            bar.update(1)
+            if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
+                tps = window_tokens * self.acc.num_processes / max(time.time() - window_t, 1e-9)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
+                if log:
+                    log.write(json.dumps({"step": self.step, "epoch": self.step / self.steps_per_epoch,
+                                          "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                                          "tokens_per_s": tps}) + "\n")
+                    log.flush()
+                window_t, window_tokens = time.time(), 0
+            end_of_epoch = self.step % self.steps_per_epoch == 0
+            if end_of_epoch:
+                last = {"epoch": self.step // self.steps_per_epoch, "step": self.step, **self.evaluate()}
+                if log:
+                    log.write(json.dumps(last) + "\n")
+                    log.flush()
+                bar.write(f"epoch {last['epoch']}: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items()
+                                                                    if k not in ("epoch", "step")))
+            if end_of_epoch or (self.cfg.checkpoint_steps and self.step % self.cfg.checkpoint_steps == 0):
+                self._save(last)
+        bar.close()
+        if log:
+            log.close()
+        if self.acc.is_main_process:
+            save_head(self.head, self.out, self.info())
+        self.acc.wait_for_everyone()
+        return self.out
+
+
+def train_drafter(target_dir: str, features: str, out: str, cfg: TrainConfig, resume: bool = False,
+                  device: str | None = None) -> Path:
+    """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        raise TrainingError("training needs the `train` extra: pip install 'taps[train]'") from None
+
+    from taps.target import Target
+
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device == "cpu")
+    # the frozen embedding / LM head run in the head's precision: fp32 unless mixed precision is on
+    target = Target.load(target_dir, device=str(acc.device), dtype="float32" if cfg.mixed_precision == "no" else "auto")
+    out_path = Path(out)
+    if (out_path / "ckpt").exists() and not resume:
+        raise TrainingError(f"{out_path / 'ckpt'} exists: pass --resume to continue it, or choose another --out")
+    trainer = Trainer(target, features, out_path, cfg, accelerator=acc)
+    if resume and trainer.resume() and acc.is_main_process:
+        print(f"resumed at step {trainer.step}/{trainer.total_steps}")
+    return trainer.fit()

@@ -1,0 +1,137 @@
+"""Drafter training end to end on a tiny target: both backbones, metrics, strict reload, resume to
+the same weights, NaN stop, and 2 processes (gloo) equal to 1 with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import hf_greedy
+from taps.config import DecodeConfig, TreeConfig
+from taps.data.features import FeatureSettings, extract_features
+from taps.decode import generate
+from taps.drafter.checkpoint import load_head
+from taps.propose.single import SingleProposer
+from taps.target import Target
+from taps.train import trainer as trainer_mod
+from taps.train.trainer import TrainConfig, Trainer, TrainingError
+from test_features import write_records
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Target.load(target_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("feat")
+    data = write_records(root / "data.jsonl", n=42)
+    extract_features(target, data, root / "f", FeatureSettings(max_len=64, dtype="fp32", records_per_shard=16),
+                     progress=None)
+    return root / "f"
+
+
+def config(**kw):
+    base = dict(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, log_every=2, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def fit(target, features, out, **kw):
+    return Trainer(target, features, out, config(**kw)).fit(progress=False)
+
+
+def weights(path):
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("backbone", ["eagle2", "hass"])
+def test_train_end_to_end(tmp_path, target, features, backbone):
+    out = fit(target, features, tmp_path / backbone, backbone=backbone)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [line for line in lines if "heldout_loss" in line]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    for e in epochs:
+        assert all(0.0 <= e[f"heldout_top1_depth{d}"] <= 1.0 for d in (1, 2, 3))
+    steps = [line for line in lines if "tokens_per_s" in line]
+    assert steps and all(s["loss"] > 0 for s in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]  # it learns something on a tiny set
+    head, info = load_head(out, target)  # the strict loader
+    assert info.backbone == backbone and info.extra["train_config"]["epochs"] == 2
+    proposer = SingleProposer(head, TreeConfig(20, 3, 4))
+    for prompt in ([5, 9, 13], [100, 4, 250, 7, 1]):
+        assert generate(target, proposer, prompt, DecodeConfig(max_new_tokens=12)).tokens == \
+            hf_greedy(target.model, prompt, 12)
+
+
+def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch):
+    whole = fit(target, features, tmp_path / "whole", backbone="hass")
+    real_save = Trainer._save
+
+    def save_then_die(self, metrics):
+        real_save(self, metrics)
+        raise KeyboardInterrupt  # the machine goes away right after the first checkpoint
+
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        fit(target, features, tmp_path / "cut", backbone="hass")
+    monkeypatch.setattr(Trainer, "_save", real_save)
+    resumed = Trainer(target, features, tmp_path / "cut", config(backbone="hass"))
+    assert resumed.resume() and resumed.step == resumed.steps_per_epoch
+    resumed.fit(progress=False)
+    a, b = weights(whole), weights(tmp_path / "cut")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, target, features, monkeypatch):
+    real = trainer_mod.eagle2_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        return type(out)(loss=out.loss * float("nan"), steps=out.steps) if calls["n"] == 3 else out
+
+    monkeypatch.setattr(trainer_mod, "eagle2_loss", poisoned)
+    with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at step 2 .*last good checkpoint: .*step-000002"):
+        fit(target, features, tmp_path / "nan", checkpoint_steps=2)
+    assert (tmp_path / "nan" / "ckpt" / "latest").read_text().strip() == "step-000002"
+    assert not (tmp_path / "nan" / "model.safetensors").exists()  # no final head from a broken run
+    load_head(tmp_path / "nan" / "ckpt" / "step-000002" / "head", target)
+
+
+def test_errors(tmp_path, target, features):
+    with pytest.raises(TrainingError, match="fewer than one global batch"):
+        Trainer(target, features, tmp_path / "big", config(batch_size=64))
+    with pytest.raises(ValueError, match="unknown backbone"):
+        config(backbone="medusa")
+    (tmp_path / "exists" / "ckpt").mkdir(parents=True)
+    with pytest.raises(TrainingError, match="pass --resume"):
+        trainer_mod.train_drafter(str(target.model.config._name_or_path or tmp_path), str(features),
+                                  str(tmp_path / "exists"), config(), device="cpu")
+
+
+def test_two_processes_match_one(tmp_path, target, target_dir, features):
+    """`accelerate launch` with 2 CPU processes (gloo), batch 2 each = 1 process with batch 4."""
+    one = fit(target, features, tmp_path / "one", backbone="hass")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "taps.cli", "train", "--backbone", "hass", "--target", str(target_dir), "--features", str(features),
+           "--out", str(tmp_path / "two"), "--epochs", "2", "--batch-size", "2", "--lr", "1e-3",
+           "--warmup-steps", "2", "--seed", "3", "--cpu"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = weights(one), weights(tmp_path / "two")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), (key, float((a[key] - b[key]).abs().max()))
+    one_log = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
+    two_log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+               if "heldout_loss" in x]
+    assert [round(x["heldout_loss"], 5) for x in one_log] == [round(x["heldout_loss"], 5) for x in two_log]
