@@ -21,6 +21,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mix.add_argument("--english", action="store_true", help="keep English conversations only (a heuristic)")
     mix.set_defaults(func=_mix)
 
+    regen = dsub.add_parser("regenerate", help="replace every assistant turn with the target's own response "
+                                               "(resumable)")
+    regen.add_argument("--target", required=True, help="Hugging Face model directory")
+    regen.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
+    regen.add_argument("--out", required=True, help="output JSONL; a rerun skips the records already in it")
+    regen.add_argument("--drafter", help="optional drafter directory: regenerate with lossless speculative decoding")
+    regen.add_argument("--max-new-tokens", type=int, default=512)
+    regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    regen.add_argument("--top-p", type=float, default=1.0)
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--device", default="auto")
+    regen.add_argument("--dtype", default="auto")
+    regen.set_defaults(func=_regenerate)
+
 
 def _mix(args: argparse.Namespace) -> int:
     from taps.data.mix import mix_sources, write_jsonl
@@ -28,4 +42,22 @@ def _mix(args: argparse.Namespace) -> int:
     records = mix_sources(args.source, args.seed, data_dir=args.data_dir, english=args.english, on_report=print)
     out = write_jsonl(records, args.out)
     print(f"wrote {len(records):,} records to {out}")
+    return 0
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    from taps.data.regenerate import RegenerateSettings, regenerate
+    from taps.target import Target
+
+    target = Target.load(args.target, device=args.device, dtype=args.dtype)
+    proposer = None
+    if args.drafter:
+        from taps.drafter.checkpoint import load_head
+        from taps.propose.single import SingleProposer
+
+        proposer = SingleProposer(load_head(args.drafter, target)[0])
+    settings = RegenerateSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, seed=args.seed)
+    written = regenerate(target, args.data, args.out, settings, proposer)
+    print(f"regenerated {written:,} records into {args.out}")
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from taps.data.chat import encode_conversation
 
@@ -109,7 +110,9 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
     records = read_records(data)
     out.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out, target, data, settings, len(records))
-    start_t, done_tokens, done_records = time.time(), 0, 0
+    start_t, done_tokens = time.time(), 0
+    bar = tqdm(total=len(records), initial=manifest["records_done"], unit="rec", desc="features", file=progress,
+               disable=progress is None, dynamic_ncols=True)
     while manifest["records_done"] < len(records):
         first = manifest["records_done"]
         chunk = records[first:first + settings.records_per_shard]
@@ -143,12 +146,10 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
         manifest["sources"] = dict(sources)
         manifest["complete"] = manifest["records_done"] == len(records)
         _write_json_atomic(out / MANIFEST, manifest)
-        done_tokens, done_records = done_tokens + n_tokens, done_records + len(chunk)
-        elapsed = max(time.time() - start_t, 1e-9)
-        eta = (len(records) - manifest["records_done"]) * elapsed / done_records
-        if progress is not None:
-            print(f"features: {manifest['records_done']}/{len(records)} records, {manifest['tokens']:,} tokens, "
-                  f"{done_tokens / elapsed:,.0f} tokens/s, ETA {eta / 60:.1f} min", file=progress, flush=True)
+        done_tokens += n_tokens
+        bar.update(len(chunk))
+        bar.set_postfix(tokens=f"{manifest['tokens']:,}", tok_s=f"{done_tokens / max(time.time() - start_t, 1e-9):,.0f}")
+    bar.close()
     return manifest
 
 

@@ -1,0 +1,76 @@
+"""Drafter training throughput: EAGLE-2 vs HASS tokens/s on a random target, side by side.
+
+Not a test. Each timed step is one loss + backward + AdamW step of the head on a batch of target
+features (computed by the target once, outside the timing); the backbones alternate so machine
+noise hits both alike. Prints tokens/s per backbone and the HASS / EAGLE-2 cost per token.
+
+    python bench/train_speed.py [--hidden 256 --layers 6 --vocab 8192 --seq-len 512 --batch 4 --steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from taps.drafter.checkpoint import init_head  # noqa: E402
+from taps.target import Target  # noqa: E402
+from taps.testing import tiny_model  # noqa: E402
+from taps.train.losses import Eagle2Config, HassConfig, TrainBatch, eagle2_loss, hass_loss  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--hass-steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    heads = max(1, args.hidden // 64)
+    model = tiny_model("llama", vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers, heads=heads,
+                       kv_heads=heads, intermediate=int(args.hidden * 2.75), max_positions=4 * args.seq_len)
+    target = Target(model)
+    model.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g)  # [B, T]
+    batch = TrainBatch(input_ids=ids, hidden=target.encode(ids).float().clone(), loss_mask=torch.ones_like(ids),
+                       lengths=torch.full((args.batch,), args.seq_len))
+    runs = {"eagle2": (eagle2_loss, Eagle2Config()), "hass": (hass_loss, HassConfig(steps=args.hass_steps))}
+    heads_by = {name: init_head(model.config, seed=0).bind(target.embed_tokens, target.lm_head) for name in runs}
+    optims = {name: torch.optim.AdamW(h.parameters(), lr=1e-4) for name, h in heads_by.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for step in range(args.steps + 1):  # the first round is a warm-up
+        for name, (fn, cfg) in runs.items():
+            t0 = time.perf_counter()
+            out = fn(heads_by[name], batch, cfg, generator=torch.Generator().manual_seed(step))
+            out.loss.backward()
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+            if step:
+                times[name].append(time.perf_counter() - t0)
+    tokens = args.batch * args.seq_len
+    n_head = sum(p.numel() for p in heads_by["eagle2"].parameters()) / 1e6
+    print(f"target: random llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; head {n_head:.2f}M "
+          f"parameters; batch {args.batch} x {args.seq_len} tokens; threads {torch.get_num_threads()}; "
+          f"{args.steps} timed steps each, interleaved")
+    tps = {name: tokens / statistics.median(t) for name, t in times.items()}
+    for name in runs:
+        print(f"{name:<7} {tps[name]:>9.0f} tokens/s   {1e3 * statistics.median(times[name]):>8.1f} ms/step")
+    print(f"HASS / EAGLE-2 cost per token: {tps['eagle2'] / tps['hass']:.2f}x (HASS runs {args.hass_steps} aligned steps)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Regeneration: assistant turns replaced by the target's own greedy answers, turn by turn,
+resumable without duplicates, identical with a drafter (lossless)."""
+
+import json
+
+import pytest
+
+from taps.config import DecodeConfig
+from taps.data.regenerate import RegenerateSettings, regenerate
+from taps.decode import ChatSession
+from taps.drafter.checkpoint import init_head
+from taps.propose.single import SingleProposer
+from taps.target import Target
+from test_features import write_records
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Target.load(target_dir, device="cpu", dtype="float32")
+
+
+def two_turn(path):
+    rows = [{"id": "a", "source": "chat", "conversations": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": "old second"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_turns_are_the_targets_own(tmp_path, target):
+    data = two_turn(tmp_path / "d.jsonl")
+    settings = RegenerateSettings(max_new_tokens=8)
+    assert regenerate(target, data, tmp_path / "out.jsonl", settings, progress=None) == 1
+    (rec,) = lines(tmp_path / "out.jsonl")
+    assert [t["role"] for t in rec["conversations"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert rec["conversations"][1]["content"] == "Hi there" and rec["conversations"][3]["content"] == "And then?"
+    # the same answers as a chat session with the target
+    chat = ChatSession(target, None, DecodeConfig(max_new_tokens=8, stop_token_ids=target.stop_token_ids()),
+                       system="Be brief.")
+    assert rec["conversations"][2]["content"] == chat.send("Hi there")[0]
+    assert rec["conversations"][4]["content"] == chat.send("And then?")[0]
+    assert rec["regenerated"]["original_turns"] == 5 and len(rec["regenerated"]["stop_reasons"]) == 2
+
+
+def test_resume_skips_done_and_repairs_torn_line(tmp_path, target):
+    data = write_records(tmp_path / "d.jsonl", n=6)
+    out = tmp_path / "out.jsonl"
+    settings = RegenerateSettings(max_new_tokens=4)
+    assert regenerate(target, data, out, settings, progress=None) == 6
+    whole = out.read_text()
+    kept = "".join(whole.splitlines(keepends=True)[:3])
+    out.write_text(kept + '{"id": "r3", "conv')  # crashed while writing the 4th record
+    assert regenerate(target, data, out, settings, progress=None) == 3
+    assert out.read_text() == whole  # same records, no duplicates, torn line gone
+    assert regenerate(target, data, out, settings, progress=None) == 0
+
+
+def test_drafter_gives_identical_data(tmp_path, target):
+    data = write_records(tmp_path / "d.jsonl", n=3)
+    head = init_head(target.model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    settings = RegenerateSettings(max_new_tokens=10)
+    regenerate(target, data, tmp_path / "plain.jsonl", settings, progress=None)
+    regenerate(target, data, tmp_path / "spec.jsonl", settings, proposer=SingleProposer(head), progress=None)
+    assert lines(tmp_path / "plain.jsonl") == lines(tmp_path / "spec.jsonl")
+
+
+def test_errors(tmp_path, target):
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "x", "conversations": []}\n{"id": "x", "conversations": []}\n')
+    with pytest.raises(ValueError, match="'x' appears more than once"):
+        regenerate(target, dup, tmp_path / "o.jsonl", progress=None)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"no": "id"}\n')
+    data = write_records(tmp_path / "d.jsonl", n=2)
+    with pytest.raises(ValueError, match="line 1 is not a regenerated record"):
+        regenerate(target, data, foreign, progress=None)

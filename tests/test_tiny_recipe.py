@@ -1,0 +1,92 @@
+"""The tiny-target recipe end to end at a toy size (seconds), so it cannot rot: corpus, tokenizer
+with chat template, training with checkpoints, resume to the same weights, 16-bit save."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from taps.data.chat import encode_conversation
+from taps.target import Target
+from taps.tiny import target_recipe
+from taps.tiny.target_recipe import TargetRecipe, build_target
+from taps.tiny.tokenizer import END_OF_TURN
+
+WORDS = "the a cat dog sells buys apples pens each day week more less than twice half".split()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    (root / "gsm8k").mkdir()
+    with (root / "gsm8k" / "train.jsonl").open("w") as f:
+        for i in range(40):
+            a, b = i + 2, 3 * i + 1
+            f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many?",
+                                "answer": f"He has {a}+{b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}) + "\n")
+    convs = []
+    for i in range(40):
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30))
+        convs.append({"id": f"s{i}", "conversations": [{"from": "human", "value": f"Tell me about {WORDS[i % 15]}."},
+                                                       {"from": "gpt", "value": words}]})
+    (root / "sharegpt.json").write_text(json.dumps(convs))
+    return root
+
+
+def toy(data_dir, **kw):
+    base = dict(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", vocab_size=300,
+                hidden_size=32, layers=1, heads=2, kv_heads=2, intermediate_size=64, max_positions=256, seq_len=32,
+                batch_size=4, steps=6, warmup=2, eval_every=3, ckpt_every=3, eval_blocks=4, holdout_frac=0.1,
+                tokenizer_chars=100_000)
+    base.update(kw)
+    return TargetRecipe(**base)
+
+
+def test_recipe_end_to_end(tmp_path, data_dir):
+    out = build_target(toy(data_dir), tmp_path / "out", tmp_path / "work")
+    summary = json.loads((out / "recipe.json").read_text())
+    assert summary["steps_done"] == 6 and not summary["stopped_early"]
+    assert summary["tokens_seen"] == 6 * 4 * 32
+    assert set(summary["heldout"]) == {"heldout_loss_chat", "heldout_loss_math"}
+    log = [json.loads(x) for x in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    assert any("heldout_loss_math" in x for x in log) and any("tokens_per_s" in x for x in log)
+    # 16-bit weights, loadable by Target and by plain transformers
+    assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+    target = Target.load(out, device="cpu", dtype="float32")
+    tok = target.tokenizer
+    assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    assert tok.convert_tokens_to_ids(END_OF_TURN) in target.stop_token_ids()
+    # the chat template round-trips a two-turn conversation with the right assistant mask
+    convo = [{"role": "user", "content": "Tom has 2 apples."}, {"role": "assistant", "content": "He has 2."},
+             {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Still 2."}]
+    ids, mask = encode_conversation(tok, convo)
+    assert tok.decode(ids) == tok.apply_chat_template(convo, tokenize=False)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == f"He has 2.{END_OF_TURN}Still 2.{END_OF_TURN}"
+
+
+def test_resume_reaches_the_same_weights(tmp_path, data_dir, monkeypatch):
+    whole = build_target(toy(data_dir), tmp_path / "whole", tmp_path / "whole.work")
+    real = target_recipe.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target_recipe, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        build_target(toy(data_dir), tmp_path / "cut", tmp_path / "cut.work")
+    monkeypatch.setattr(target_recipe, "save_checkpoint", real)
+    build_target(toy(data_dir), tmp_path / "cut", tmp_path / "cut.work")
+    a, b = load_file(whole / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_time_cap_stops_early_and_says_so(tmp_path, data_dir):
+    out = build_target(toy(data_dir, minutes=0.0), tmp_path / "out", tmp_path / "work")
+    summary = json.loads((out / "recipe.json").read_text())
+    assert summary["stopped_early"] and summary["steps_done"] == 0
