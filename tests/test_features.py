@@ -7,7 +7,7 @@ import torch
 
 from taps.data import features as features_mod
 from taps.data.chat import encode_conversation
-from taps.data.features import FeatureSettings, FeatureShards, FeaturesError, extract_features
+from taps.data.features import FeatureSet, FeatureSettings, FeatureShards, FeaturesError, extract_features
 from taps.target import Target
 from taps.testing import _CORPUS, write_tiny_target
 
@@ -102,3 +102,19 @@ def test_bad_records_named(tmp_path, target):
     bad.write_text('{"id": "a", "messages": []}\n')
     with pytest.raises(FeaturesError, match=r"bad.jsonl:1: expected an object with a 'conversations' list"):
         extract_features(target, bad, tmp_path / "f", progress=None)
+
+
+def test_feature_set_concatenates_prefixes(tmp_path, target):
+    a = extract_features(target, write_records(tmp_path / "a.jsonl", n=8), tmp_path / "fa", FeatureSettings(max_len=32),
+                         progress=None)
+    b = extract_features(target, write_records(tmp_path / "b.jsonl", n=6), tmp_path / "fb", FeatureSettings(max_len=32),
+                         progress=None)
+    assert a["complete"] and b["complete"]
+    both = FeatureSet.from_specs([f"{tmp_path / 'fa'}:3", str(tmp_path / "fb")], fingerprint=target.fingerprint())
+    assert len(both) == 9 and both.hidden_size == target.hidden_size
+    fa, fb = FeatureShards(tmp_path / "fa"), FeatureShards(tmp_path / "fb")
+    assert torch.equal(both[2]["hidden"], fa[2]["hidden"]) and torch.equal(both[3]["hidden"], fb[0]["hidden"])
+    with pytest.raises(IndexError):
+        both[9]
+    with pytest.raises(FeaturesError, match="first 9 records, it has 8"):
+        FeatureSet.from_specs(f"{tmp_path / 'fa'}:9")

@@ -90,3 +90,25 @@ def test_time_cap_stops_early_and_says_so(tmp_path, data_dir):
     out = build_target(toy(data_dir, minutes=0.0), tmp_path / "out", tmp_path / "work")
     summary = json.loads((out / "recipe.json").read_text())
     assert summary["stopped_early"] and summary["steps_done"] == 0
+
+
+def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
+    from taps.drafter.checkpoint import load_head
+    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1)
+    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    assert set(summary["drafters"]) == {f"{b}-{d}" for b in ("eagle2", "hass")
+                                         for d in ("chat", "math", "mixed-small", "mixed-large")}
+    for name, info in summary["drafters"].items():
+        head, meta = load_head(tmp_path / "drafters" / name, target)
+        assert meta.backbone == name.split("-")[0] and meta.training_data == name.split("-", 1)[1]
+        assert sorted(p.name for p in (tmp_path / "drafters" / name).iterdir()) == \
+            ["config.json", "metrics.jsonl", "model.safetensors"]
+    assert summary["drafters"]["eagle2-mixed-small"]["records"] == 12
+    assert summary["drafters"]["eagle2-mixed-large"]["records"] == 24
+    # a rerun finds everything done
+    again = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    assert again["drafters"] == summary["drafters"]

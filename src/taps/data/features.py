@@ -207,3 +207,45 @@ class FeatureShards:
         lo, hi = int(self._offsets[name][j]), int(self._offsets[name][j + 1])
         with safe_open(self.path / name, framework="pt") as f:
             return {key: f.get_slice(key)[lo:hi] for key in ("input_ids", "loss_mask", "hidden")}
+
+
+class FeatureSet:
+    """Several features directories, each optionally cut to its first `limit` records, as one set:
+    a mixture like "N/2 chat + N/2 math" reuses the features of the single-domain sets (their
+    records are in draw order, and a smaller draw is a prefix of a larger one)."""
+
+    def __init__(self, parts: list[tuple[str | Path, int | None]], fingerprint: str | None = None):
+        if not parts:
+            raise FeaturesError("no features directory given")
+        self.parts = []
+        for path, limit in parts:
+            shards = FeatureShards(path, fingerprint)
+            if limit is not None and limit > len(shards):
+                raise FeaturesError(f"{path}: asked for its first {limit:,} records, it has {len(shards):,}")
+            self.parts.append((shards, len(shards) if limit is None else limit))
+        sizes = {s.manifest["hidden_size"] for s, _ in self.parts}
+        prints = {s.manifest["tokenizer_fingerprint"] for s, _ in self.parts}
+        if len(sizes) > 1 or len(prints) > 1:
+            raise FeaturesError(f"features directories of different targets: hidden sizes {sorted(sizes)}, "
+                                f"tokenizers {sorted(prints)}")
+        self.hidden_size = sizes.pop()
+        self.description = " + ".join(f"{s.path}[:{n}]" for s, n in self.parts)
+
+    @classmethod
+    def from_specs(cls, specs: list[str] | str, fingerprint: str | None = None) -> "FeatureSet":
+        """Specs `DIR` or `DIR:LIMIT` (a last colon-part of digits is the limit)."""
+        parts = []
+        for spec in [specs] if isinstance(specs, (str, Path)) else specs:
+            head, sep, tail = str(spec).rpartition(":")
+            parts.append((head, int(tail)) if sep and head and tail.isdigit() else (str(spec), None))
+        return cls(parts, fingerprint)
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        for shards, n in self.parts:
+            if i < n:
+                return shards[i]
+            i -= n
+        raise IndexError(i)

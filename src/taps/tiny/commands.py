@@ -24,6 +24,25 @@ def register(sub) -> None:
     b.add_argument("--math-source", default="gsm8k:train", help="source spec of the math domain")
     b.set_defaults(func=_build_target)
 
+    d = tsub.add_parser("build-drafters", help="train the chat / math / mixed drafters of both backbones (resumable)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--target", required=True, help="the tiny target directory")
+    d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    d.add_argument("--out", required=True, help="drafters directory: one <backbone>-<domain>/ per drafter")
+    d.add_argument("--work", help="data, features and checkpoints (default: OUT.work)")
+    d.add_argument("--n", type=int, default=2000, help="records per domain (mixed-small: N/2 + N/2, mixed-large: N + N)")
+    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--max-len", type=int, default=512)
+    d.add_argument("--backbones", default="eagle2,hass")
+    d.add_argument("--domains", default="chat,math,mixed-small,mixed-large")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int)
+    d.add_argument("--chat-source", default="sharegpt")
+    d.add_argument("--math-source", default="gsm8k:train")
+    d.set_defaults(func=_build_drafters)
+
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
     c.add_argument("--target", required=True)
     c.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
@@ -60,4 +79,15 @@ def _check_target(args) -> int:
         with open(args.samples, "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
     print(json.dumps(as_dict(check), indent=2))
+    return 0
+
+
+def _build_drafters(args) -> int:
+    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
+                           n_per_domain=args.n, max_len=args.max_len, epochs=args.epochs, lr=args.lr,
+                           batch_size=args.batch_size, seed=args.seed, threads=args.threads,
+                           backbones=tuple(args.backbones.split(",")), domains=tuple(args.domains.split(",")))
+    build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work")
     return 0

@@ -24,7 +24,8 @@ def register(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--backbone", choices=["eagle2", "hass"], default="eagle2")
     t.add_argument("--target", required=True)
-    t.add_argument("--features", required=True)
+    t.add_argument("--features", required=True, action="append", metavar="DIR[:LIMIT]",
+                   help="features directory; repeat to train on several (DIR:LIMIT takes its first LIMIT records)")
     t.add_argument("--out", required=True, help="drafter directory; checkpoints go to OUT/ckpt")
     t.add_argument("--epochs", type=int, default=20)
     t.add_argument("--lr", type=float, default=3e-5)

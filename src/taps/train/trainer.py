@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from taps.data.features import FeatureShards
+from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
@@ -98,7 +98,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 class Trainer:
-    def __init__(self, target, features: str | Path, out: str | Path, cfg: TrainConfig, accelerator=None):
+    def __init__(self, target, features: str | Path | list[str], out: str | Path, cfg: TrainConfig, accelerator=None):
         from accelerate import Accelerator
 
         self.cfg, self.out = cfg, Path(out)
@@ -106,9 +106,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = target
         target.model.requires_grad_(False)
-        self.shards = FeatureShards(features, fingerprint=target.fingerprint())
-        if self.shards.manifest["hidden_size"] != target.hidden_size:
-            raise TrainingError(f"{features}: features of hidden size {self.shards.manifest['hidden_size']}, "
+        self.shards = FeatureSet.from_specs(features, fingerprint=target.fingerprint())
+        if self.shards.hidden_size != target.hidden_size:
+            raise TrainingError(f"{self.shards.description}: features of hidden size {self.shards.hidden_size}, "
                                 f"the target's is {target.hidden_size}")
         self.train_idx, self.heldout_idx = split_indices(len(self.shards), cfg.heldout_frac, cfg.seed)
         self.global_batch = cfg.batch_size * self.acc.num_processes * cfg.grad_accum
@@ -170,7 +170,7 @@ class Trainer:
                            target_name=str(getattr(self.target.config, "_name_or_path", "")),
                            tokenizer_fingerprint=self.target.fingerprint(),
                            extra={"train_config": asdict(self.cfg), "steps": self.step,
-                                  "features": self.shards.manifest.get("data_file", "")})
+                                  "features": self.shards.description})
 
     def resume(self) -> bool:
         ckpt = latest_checkpoint(self.out / "ckpt")
@@ -275,7 +275,7 @@ class Trainer:
         return self.out
 
 
-def train_drafter(target_dir: str, features: str, out: str, cfg: TrainConfig, resume: bool = False,
+def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: TrainConfig, resume: bool = False,
                   device: str | None = None) -> Path:
     """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head."""
     try:
