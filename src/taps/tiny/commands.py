@@ -43,6 +43,17 @@ def register(sub) -> None:
     d.add_argument("--math-source", default="gsm8k:train")
     d.set_defaults(func=_build_drafters)
 
+    a = tsub.add_parser("drafter-table", help="acceptance length of every drafter on GSM8K-test and MT-Bench",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a.add_argument("--target", required=True)
+    a.add_argument("--drafters", required=True, help="directory of <backbone>-<domain>/ drafters")
+    a.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    a.add_argument("--n", type=int, default=20, help="questions per benchmark")
+    a.add_argument("--temperatures", default="0,1")
+    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
+    a.set_defaults(func=_drafter_table)
+
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
     c.add_argument("--target", required=True)
     c.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
@@ -62,16 +73,39 @@ def _build_target(args) -> int:
     return 0
 
 
-def _check_target(args) -> int:
-    import json
+def _data_dir(args) -> str:
     import os
-
-    from taps.target import Target
-    from taps.tiny.target_check import as_dict, check_target
 
     data_dir = args.data_dir or os.environ.get("TAPS_DATA_DIR")
     if not data_dir:
         raise ValueError("no data directory: pass --data-dir or set TAPS_DATA_DIR")
+    return data_dir
+
+
+def _drafter_table(args) -> int:
+    from pathlib import Path
+
+    from taps.target import Target
+    from taps.tiny.drafter_table import acceptance_table, to_markdown, write_table
+
+    temps = tuple(float(x) for x in args.temperatures.split(","))
+    drafters = {p.name: p for p in sorted(Path(args.drafters).iterdir()) if (p / "model.safetensors").is_file()}
+    if not drafters:
+        raise FileNotFoundError(f"{args.drafters}: no drafter directories (<name>/model.safetensors)")
+    table = acceptance_table(Target.load(args.target, device="cpu", dtype="float32"), drafters, _data_dir(args),
+                             args.n, temps, args.max_new_tokens)
+    write_table(table, args.out, temps)
+    print(to_markdown(table, temps))
+    return 0
+
+
+def _check_target(args) -> int:
+    import json
+
+    from taps.target import Target
+    from taps.tiny.target_check import as_dict, check_target
+
+    data_dir = _data_dir(args)
     samples: list = []
     check = check_target(Target.load(args.target, device="cpu", dtype="float32"), data_dir, args.n,
                          args.max_new_tokens, samples)

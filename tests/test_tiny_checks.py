@@ -1,0 +1,59 @@
+"""The embedded default's self-checks: GSM8K format detection, repetition measure, and the
+acceptance table of drafters (on a random tiny target, for the plumbing)."""
+
+import json
+
+import pytest
+
+from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
+from taps.target import Target
+from taps.tiny.drafter_table import acceptance_table, to_markdown
+from taps.tiny.target_check import check_target, distinct_4gram_share, final_number, follows_gsm8k_format
+
+
+def test_gsm8k_format():
+    good = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nSo 48+24 = <<48+24=72>>72.\n#### 72"
+    assert follows_gsm8k_format(good) and final_number(good) == "72"
+    assert not follows_gsm8k_format("She sold 72 clips.\n#### 72")  # no calculator annotation
+    assert not follows_gsm8k_format("48/2 = <<48/2=24>>24 and then more")  # no final line
+    assert final_number("x <<1+1=2>>2\n#### 1,234") == "1234"
+
+
+def test_distinct_4grams():
+    assert distinct_4gram_share("a b c d e f") == 1.0
+    assert distinct_4gram_share("go go go go go go go go") == pytest.approx(1 / 5)
+    assert distinct_4gram_share("too short") == 0.0
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "mt_bench").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"})
+        + "\n" for i in range(3)))
+    (tmp_path / "mt_bench" / "question.jsonl").write_text("".join(
+        json.dumps({"question_id": i, "category": "writing", "turns": [f"Write about {w}.", "More."]}) + "\n"
+        for i, w in enumerate(["the sea", "the wind", "stars"])))
+    return tmp_path
+
+
+def test_check_target_and_table_run(tmp_path, target_dir, data_dir):
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    samples = []
+    check = check_target(target, data_dir, n=2, max_new_tokens=6, samples=samples)
+    assert check.gsm8k_questions == 2 and check.mt_bench_questions == 2 and len(samples) == 4
+    assert 0.0 <= check.gsm8k_format_share <= 1.0 and check.mean_answer_tokens_gsm8k <= 6
+    heads = {}
+    for seed in (0, 1):
+        heads[f"eagle2-s{seed}"] = save_head(init_head(target.model.config, seed=seed), tmp_path / f"h{seed}",
+                                             DrafterInfo(tokenizer_fingerprint=target.fingerprint()))
+    table = acceptance_table(target, heads, data_dir, n=2, temperatures=(0.0, 1.0), max_new_tokens=6)
+    for name in heads:
+        for bench in ("gsm8k", "mt_bench"):
+            for temp in ("0.0", "1.0"):
+                cell = table[name][bench][temp]
+                assert cell["tau"] == cell["new_tokens"] / cell["verifier_calls"] >= 1.0
+    md = to_markdown(table)
+    assert md.splitlines()[0] == "| drafter | gsm8k T=0.0 | mt_bench T=0.0 | gsm8k T=1.0 | mt_bench T=1.0 |"
+    assert len(md.splitlines()) == 4
