@@ -53,3 +53,34 @@ def test_errors_are_reported_not_raised(capsys, tmp_path, target_dir):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "taps.cli", "--help"], capture_output=True, text=True, check=True)
     assert "generate" in out.stdout and "drafter" in out.stdout
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "route"], ["--strategy", "route", "--signal", "entropy",
+                                                                "--granularity", "turn"],
+                                      ["--strategy", "merge", "--merge-mode", "trie"],
+                                      ["--strategy", "merge", "--merge-mode", "budget"],
+                                      ["--strategy", "average", "--weight", "0.3", "--weight", "0.7"]])
+def test_generate_composes_several_drafters(capsys, tmp_path, target_dir, strategy):
+    for seed in (1, 2):
+        assert main(["drafter", "init", "--target", str(target_dir), "--out", str(tmp_path / f"d{seed}"),
+                     "--seed", str(seed)]) == 0
+    capsys.readouterr()
+    common = ["generate", "--target", str(target_dir), "--prompt", "How many clips?", "--max-new-tokens", "10",
+              "--device", "cpu", "--json"]
+    plain = run_json(capsys, *common)
+    out = run_json(capsys, *common, "--drafter", f"math={tmp_path / 'd1'}", "--drafter", f"chat={tmp_path / 'd2'}",
+                   *strategy)
+    assert out["token_ids"] == plain["token_ids"]
+    if strategy[1] == "route":
+        assert all(info["route_chosen"] in (0, 1) for info in out["step_info"])
+
+
+def test_generate_strategy_errors(capsys, tmp_path, target_dir):
+    assert main(["drafter", "init", "--target", str(target_dir), "--out", str(tmp_path / "d")]) == 0
+    base = ["generate", "--target", str(target_dir), "--prompt-ids", "1,2", "--device", "cpu"]
+    assert main(base + ["--drafter", str(tmp_path / "d"), "--drafter", str(tmp_path / "d")]) == 2
+    assert "names must be distinct" in capsys.readouterr().err
+    assert main(base + ["--drafter", f"a={tmp_path / 'd'}", "--drafter", f"b={tmp_path / 'd'}"]) == 2
+    assert "single takes exactly one drafter" in capsys.readouterr().err
+    assert main(base + ["--strategy", "merge"]) == 2
+    assert "needs --drafter" in capsys.readouterr().err

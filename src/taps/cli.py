@@ -20,7 +20,9 @@ def _ids(text: str) -> list[int]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode a prompt, speculatively with --drafter or plainly without")
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
-    p.add_argument("--drafter", help="drafter directory (EAGLE layout); omit for plain decoding")
+    p.add_argument("--drafter", action="append", type=_named_drafter, metavar="[NAME=]DIR",
+                   help="drafter directory (EAGLE layout); repeat to combine several with --strategy; "
+                        "omit for plain decoding")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
@@ -38,14 +40,24 @@ def _add_generate(sub) -> None:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    from taps.propose.commands import add_strategy_arguments
+
+    add_strategy_arguments(p)
     p.set_defaults(func=_generate)
+
+
+def _named_drafter(text: str) -> tuple[str, str]:
+    from taps.propose.commands import parse_named_drafter
+
+    return parse_named_drafter(text)
 
 
 def _generate(args) -> int:
     from taps.config import DecodeConfig, SamplingConfig, TreeConfig
     from taps.decode import chat_ids, generate
     from taps.drafter.checkpoint import load_head
-    from taps.propose.single import SingleProposer
+    from taps.propose.commands import strategy_options
+    from taps.propose.factory import build_proposer
     from taps.target import Target
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
@@ -61,8 +73,14 @@ def _generate(args) -> int:
         prompt = chat_ids(tok, [{"role": "user", "content": args.prompt}])
     proposer = None
     if args.drafter:
-        head, _ = load_head(args.drafter, target, attn_implementation=args.attn)
-        proposer = SingleProposer(head, TreeConfig(args.total_tokens, args.depth, args.top_k))
+        names = [name for name, _ in args.drafter]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
+        heads = {name: load_head(path, target, attn_implementation=args.attn)[0] for name, path in args.drafter}
+        proposer = build_proposer(heads=heads, tree=TreeConfig(args.total_tokens, args.depth, args.top_k),
+                                  **strategy_options(args))
+    elif args.strategy != "single":
+        raise ValueError(f"--strategy {args.strategy} needs --drafter")
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens,
                        sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
                        stop_token_ids=target.stop_token_ids(), seed=args.seed)
@@ -79,6 +97,8 @@ def _generate(args) -> int:
             "verifier_calls": result.verifier_calls,
             "acceptance_length": result.acceptance_length,
             "accepted_per_step": [s.accepted for s in result.steps],
+            "drafter_per_step": [s.source for s in result.steps],
+            "step_info": [s.info for s in result.steps] if any(s.info for s in result.steps) else None,
             "tokens_per_second": result.tokens_per_second,
             "stop_reason": result.stop_reason,
             "time_split_s": result.time_split(),
@@ -117,10 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_drafter(sub)
     from taps.data import commands as data_commands
+    from taps.propose import commands as propose_commands
     from taps.tiny import commands as tiny_commands
     from taps.train import commands as train_commands
 
     data_commands.register(sub)
+    propose_commands.register(sub)
     train_commands.register(sub)
     tiny_commands.register(sub)
     return parser

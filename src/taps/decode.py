@@ -39,6 +39,8 @@ class StepStats:
     draft_s: float  # proposing this tree + consuming the previous step's features
     target_s: float  # the target's tree forward
     other_s: float  # verification, commit, bookkeeping
+    sources: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
+    info: dict = field(default_factory=dict)  # the proposer's own record of this step (e.g. routing scores)
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Decoder:
             # 1-2. draft a tree and trim it to the remaining budget
             a = _clock(device)
             tree = self.proposer.propose() if self.proposer is not None else DraftTree.root_only(pending, device)
+            info = self.proposer.step_info() if hasattr(self.proposer, "step_info") else {}
             if int(tree.tokens[0]) != pending:
                 raise RuntimeError(f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected pending token {pending}")
             tree = tree.prune_depth(cfg.max_new_tokens - len(new) - 1)
@@ -166,9 +169,11 @@ class Decoder:
             pending = emitted[m - 1]
             deepest = int(acc.nodes[-1])
             source = int(tree.source[deepest]) if acc.accepted > 0 else -1
+            sources = int(tree.source_mask()[deepest]) if acc.accepted > 0 else 0
             d = _clock(device)
             steps.append(StepStats(accepted=acc.accepted, emitted=m, tree_size=tree.size, source=source,
-                                   draft_s=observe_s + (b - a), target_s=c - b, other_s=d - c))
+                                   draft_s=observe_s + (b - a), target_s=c - b, other_s=d - c, sources=sources,
+                                   info=info))
             # 6. feed the accepted features back (only if decoding goes on)
             observe_s = 0.0
             if self.proposer is not None and stop_reason != "stop_token" and len(new) < cfg.max_new_tokens:

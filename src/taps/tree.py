@@ -9,6 +9,7 @@ from the parents array and is computed, never stored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,18 @@ class DraftTree:
     logp: Tensor  # [N] float, cumulative draft log-prob along the path (0 at the root)
     entropy: Tensor  # [N] float, entropy of the draft distribution that proposed the node (0 at the root)
     source: Tensor  # [N] long, index of the drafter that proposed the node (-1 at the root)
+    # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root),
+    # or None when each node has the single drafter in `source` (see source_mask()). Set by the
+    # merges below, where a node shared by several drafters' trees records all of them.
+    sources: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         for name in ("parents", "logp", "entropy", "source"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"DraftTree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
+        if self.sources is not None and self.sources.shape != (n,):
+            raise ValueError(f"DraftTree.sources has shape {tuple(self.sources.shape)}, expected ({n},)")
         if n == 0 or int(self.parents[0]) != -1:
             raise ValueError("DraftTree node 0 must be the root (parents[0] == -1)")
         if n > 1:
@@ -51,6 +58,15 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    def source_mask(self) -> Tensor:  # [N] long bitmask of the drafters that proposed each node (0 at the root)
+        if self.sources is not None:
+            return self.sources
+        return torch.where(self.source >= 0, 1 << self.source.clamp(min=0), torch.zeros_like(self.source))
+
+    def source_sets(self) -> list[list[int]]:
+        """For each node, the indices of every drafter that proposed it (empty at the root)."""
+        return [[h for h in range(mask.bit_length()) if mask >> h & 1] for mask in self.source_mask().tolist()]
 
     @property
     def confidence(self) -> Tensor:  # [N] product of draft probabilities along the path (1 at the root)
@@ -127,6 +143,7 @@ class DraftTree:
             logp=self.logp[keep],
             entropy=self.entropy[keep],
             source=self.source[keep],
+            sources=None if self.sources is None else self.sources[keep],
         )
 
 
@@ -152,3 +169,131 @@ def additive_mask(
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+# ---- merging the trees of several drafters (SPEC §4 merged trees, §7 trie and budget merges) ----
+# Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
+# attributed to drafter h (whatever their own `source` says). Output: one DraftTree whose nodes
+# keep the parents-before-children order, with `source` = one drafter per node and `sources` =
+# the bitmask of every drafter that proposed it. Positions are depths, so every merged node sits
+# at the same position as in the tree it came from.
+MAX_MERGED_TREES = 62  # sources is an int64 bitmask
+
+
+def _merge_inputs(trees: Sequence[DraftTree]) -> int:
+    """Checks the trees can share a root; returns the root token."""
+    if not trees:
+        raise ValueError("merging needs at least one tree")
+    if len(trees) > MAX_MERGED_TREES:
+        raise ValueError(f"at most {MAX_MERGED_TREES} trees can be merged, got {len(trees)}")
+    root = int(trees[0].tokens[0])
+    for h, tree in enumerate(trees):
+        if int(tree.tokens[0]) != root:
+            raise ValueError(f"tree {h} is rooted at token {int(tree.tokens[0])}, tree 0 at {root}: "
+                             "merged trees must share the pending root token")
+    return root
+
+
+def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
+    """The paper's merge: [root | tree 0's nodes | tree 1's nodes | ...] under one shared root.
+
+    Every node keeps its own tree's parent, so it attends to the root and its own ancestors only
+    (no cross-tree attention); the verifier sees 1 + sum(size - 1) tokens. Identical proposals
+    stay separate nodes; verification tries each distinct token once anyway (verify.py pools them).
+    """
+    _merge_inputs(trees)
+    first = trees[0]
+    tokens, parents, logp, entropy, source = [first.tokens[:1]], [first.parents[:1]], [first.logp[:1]], \
+        [first.entropy[:1]], [torch.full((1,), -1, dtype=torch.long, device=first.tokens.device)]
+    offset = 0  # merged id of tree node j (j >= 1) is offset + j
+    for h, tree in enumerate(trees):
+        par = tree.parents[1:]  # [n_h]
+        tokens.append(tree.tokens[1:])
+        parents.append(torch.where(par == 0, par, par + offset))
+        logp.append(tree.logp[1:].to(first.logp.dtype))
+        entropy.append(tree.entropy[1:].to(first.entropy.dtype))
+        source.append(torch.full_like(par, h))
+        offset += tree.size - 1
+    source_t = torch.cat(source)
+    return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), logp=torch.cat(logp),
+                     entropy=torch.cat(entropy), source=source_t,
+                     sources=torch.where(source_t >= 0, 1 << source_t.clamp(min=0), torch.zeros_like(source_t)))
+
+
+def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
+    """Union of the trees as a prefix tree: nodes with the same token sequence from the root are
+    one node, so no two siblings carry the same token and identical proposals cost one verifier
+    slot. Nodes appear in first-seen order (tree 0's nodes in its order, then tree 1's new ones, ...),
+    so the trie of one tree, or of identical trees, is that tree.
+
+    A shared node takes logp (hence confidence), entropy and `source` from the drafter that scored
+    it highest (the first on ties); `sources` records every drafter that proposed it. With each
+    input's scores non-increasing along paths, so are the merged ones (max over drafters of
+    non-increasing sequences).
+    """
+    root = _merge_inputs(trees)
+    device, fdtype = trees[0].tokens.device, trees[0].logp.dtype
+    node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    tokens, parents, logp, entropy, source, mask = [root], [-1], [0.0], [0.0], [-1], [0]
+    for h, tree in enumerate(trees):
+        t_tok, t_par = tree.tokens.tolist(), tree.parents.tolist()
+        t_logp, t_ent = tree.logp.tolist(), tree.entropy.tolist()
+        merged = [0] * tree.size  # tree node -> merged node
+        for j in range(1, tree.size):
+            key = (merged[t_par[j]], t_tok[j])
+            m = node_of.get(key)
+            if m is None:
+                m = node_of[key] = len(tokens)
+                tokens.append(t_tok[j])
+                parents.append(key[0])
+                logp.append(t_logp[j])
+                entropy.append(t_ent[j])
+                source.append(h)
+                mask.append(1 << h)
+            else:
+                mask[m] |= 1 << h
+                if t_logp[j] > logp[m]:
+                    logp[m], entropy[m], source[m] = t_logp[j], t_ent[j], h
+            merged[j] = m
+    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return DraftTree(tokens=long(tokens), parents=long(parents), logp=torch.tensor(logp, dtype=fdtype, device=device),
+                     entropy=torch.tensor(entropy, dtype=trees[0].entropy.dtype, device=device),
+                     source=long(source), sources=long(mask))
+
+
+def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
+    """The subtree of the nodes `keep` ([M] long, sorted, containing 0 and every kept node's parent)."""
+    remap = torch.full((tree.size,), -1, dtype=torch.long, device=tree.parents.device)
+    remap[keep] = torch.arange(keep.numel(), device=tree.parents.device)
+    old_parents = tree.parents[keep]
+    new_parents = torch.where(old_parents >= 0, remap[old_parents.clamp(min=0)], old_parents)
+    if bool((new_parents[1:] < 0).any()):
+        raise ValueError("keep_nodes: a kept node's parent was not kept")
+    return DraftTree(tokens=tree.tokens[keep], parents=new_parents, logp=tree.logp[keep],
+                     entropy=tree.entropy[keep], source=tree.source[keep],
+                     sources=None if tree.sources is None else tree.sources[keep])
+
+
+def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:
+    """Keep the root and the total_tokens - 1 most confident nodes (SPEC §2 step 3, applied to any
+    tree). A node's rank score is the lowest logp on its path, which is its own logp whenever
+    scores do not increase along paths (always, for EAGLE-2 trees and their merges); ties keep the
+    earlier node, so the kept set always contains each kept node's parent."""
+    if total_tokens < 1:
+        raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    if tree.size <= total_tokens:
+        return tree
+    score, parents = tree.logp.tolist(), tree.parents.tolist()
+    for i in range(1, tree.size):  # parents precede children: one pass takes the path minimum
+        score[i] = min(score[i], score[parents[i]])
+    order = torch.sort(torch.tensor(score[1:], dtype=torch.float64), descending=True, stable=True).indices + 1
+    order = order.to(tree.parents.device)
+    keep = torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), order[: total_tokens - 1].sort().values])
+    return keep_nodes(tree, keep)
+
+
+def merge_budget(trees: Sequence[DraftTree], total_tokens: int) -> DraftTree:
+    """The union of every drafter's candidates, deduplicated as in merge_trie, reranked by
+    confidence into one tree of at most `total_tokens` nodes (root included): verification costs
+    no more than one drafter's tree."""
+    return rerank(merge_trie(trees), total_tokens)

@@ -8,6 +8,8 @@ do not change. Contract (batch size 1):
 - propose(): a DraftTree whose root token is the pending token.
 - observe(acceptance, features): the target accepted `acceptance.nodes` of the last tree and
   emitted `acceptance.bonus`; features [A+1, H] are the target's features at the accepted nodes.
+Optionally, step_info() -> dict: the proposer's record of the tree it just proposed (routing
+scores, merge sizes); decode.py stores it in that step's StepStats.info.
 """
 
 from __future__ import annotations

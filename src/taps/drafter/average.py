@@ -1,0 +1,199 @@
+"""Weight averaging of drafter heads (SPEC §4 "Averaged"): theta = sum_i w_i * theta_i.
+
+Every head parameter is averaged (weights non-negative, summing to 1), in float64, then cast back
+to the first head's dtype. Heads must agree on every key and shape and on the config fields that
+define the computation (sizes, rope, norm epsilon, activation, fc bias); checkpoints must also
+carry the same target tokenizer fingerprint. Anything else is an error naming what differs.
+
+lambda_sweep gives the paper's Figure 6 interpolation lambda * A + (1 - lambda) * B.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from taps.drafter.checkpoint import (CONFIG_NAME, IGNORED_FOREIGN_KEYS, WEIGHTS_NAME, CheckpointError, DrafterInfo,
+                                     _atomic_write, read_config)
+from taps.drafter.head import EagleHead
+
+# config fields two heads must share to be averaged (rope is compared through rope_theta)
+MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "vocab_size", "rms_norm_eps", "hidden_act")
+DEFAULT_LAMBDAS = tuple(round(0.1 * i, 10) for i in range(1, 10))  # 0.1 .. 0.9
+WEIGHT_TOLERANCE = 1e-6
+
+
+class AverageError(ValueError):
+    """Heads that cannot be averaged, or weights that are not a convex combination."""
+
+
+def check_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Weights for n heads: uniform when None; else n finite non-negative numbers summing to 1."""
+    if n < 1:
+        raise AverageError("averaging needs at least one head")
+    if weights is None:
+        return [1.0 / n] * n
+    weights = [float(w) for w in weights]
+    if len(weights) != n:
+        raise AverageError(f"{len(weights)} weight(s) for {n} head(s): give one weight per head")
+    bad = [w for w in weights if not math.isfinite(w) or w < 0]
+    if bad:
+        raise AverageError(f"weights must be finite and non-negative, got {weights}")
+    if abs(sum(weights) - 1.0) > WEIGHT_TOLERANCE:
+        raise AverageError(f"weights must sum to 1, got {weights} (sum {sum(weights):.6g})")
+    return weights
+
+
+def average_state_dicts(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float] | None = None,
+                        names: Sequence[str] | None = None) -> dict[str, Tensor]:
+    """sum_i w_i * states[i][key] for every key; keys and shapes must agree exactly."""
+    weights = check_weights(weights, len(states))
+    names = list(names) if names is not None else [f"head {i}" for i in range(len(states))]
+    first = states[0]
+    for name, state in zip(names[1:], states[1:]):
+        missing, extra = sorted(set(first) - set(state)), sorted(set(state) - set(first))
+        if missing or extra:
+            detail = "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
+                                           f"unexpected {', '.join(extra)}" if extra else "") if x)
+            raise AverageError(f"{name} does not have the keys of {names[0]}: {detail}")
+        for key, value in first.items():
+            if tuple(state[key].shape) != tuple(value.shape):
+                raise AverageError(f"key {key}: {names[0]} has shape {tuple(value.shape)}, "
+                                   f"{name} has {tuple(state[key].shape)}")
+    out = {}
+    for key, value in first.items():
+        acc = torch.zeros(value.shape, dtype=torch.float64, device=value.device)
+        for w, state in zip(weights, states):
+            acc += w * state[key].to(device=value.device, dtype=torch.float64)
+        out[key] = acc.to(value.dtype)
+    return out
+
+
+def _rope_theta(config: Mapping) -> float | None:
+    rope = config.get("rope_parameters") or {}
+    return rope.get("rope_theta", config.get("rope_theta"))
+
+
+def check_configs(configs: Sequence[Mapping], names: Sequence[str]) -> None:
+    """The fields that define a head's computation must agree (None = not given, not compared)."""
+    first = configs[0]
+    for name, config in zip(names[1:], configs[1:]):
+        for key in MATCHING_FIELDS:
+            a, b = first.get(key), config.get(key)
+            if a is not None and b is not None and a != b:
+                raise AverageError(f"config {key}: {names[0]} has {a!r}, {name} has {b!r}")
+        a, b = _rope_theta(first), _rope_theta(config)
+        if a is not None and b is not None and float(a) != float(b):
+            raise AverageError(f"config rope_theta: {names[0]} has {a!r}, {name} has {b!r}")
+
+
+def average_heads(heads: Sequence[EagleHead], weights: Sequence[float] | None = None) -> EagleHead:
+    """A new head with the weighted average of the heads' parameters, on the first head's device
+    and dtype, bound to the same target embedding / LM head as the first (if it is bound)."""
+    heads = list(heads)
+    weights = check_weights(weights, len(heads))
+    names = [f"head {i}" for i in range(len(heads))]
+    for name, head in zip(names[1:], heads[1:]):
+        if head.bias != heads[0].bias:
+            raise AverageError(f"fc bias: head 0 has bias={heads[0].bias}, {name} has bias={head.bias}")
+    check_configs([h.config.to_dict() for h in heads], names)
+    state = average_state_dicts([h.state_dict() for h in heads], weights, names)
+    ref = next(heads[0].parameters())
+    out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
+    out.load_state_dict(state, strict=True)
+    out = out.to(device=ref.device, dtype=ref.dtype).eval()
+    if heads[0]._shared is not None:
+        out.bind(*heads[0]._shared)
+    return out
+
+
+def lambda_sweep(head_a: EagleHead, head_b: EagleHead,
+                 lambdas: Sequence[float] = DEFAULT_LAMBDAS) -> Iterator[tuple[float, EagleHead]]:
+    """(lambda, lambda * A + (1 - lambda) * B) for each lambda (paper Figure 6: 0.1 .. 0.9)."""
+    for lam in lambdas:
+        if not 0.0 <= lam <= 1.0:
+            raise AverageError(f"lambda must be in [0, 1], got {lam}")
+        yield lam, average_heads([head_a, head_b], [lam, 1.0 - lam])
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def _load_tensors(path: Path) -> dict[str, Tensor]:
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing (TAPS loads safetensors only)")
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    for key in IGNORED_FOREIGN_KEYS:
+        tensors.pop(key, None)
+    return tensors
+
+
+def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weights: Sequence[float] | None = None,
+                        names: Sequence[str] | None = None) -> Path:
+    """`taps average`: write the weighted average of drafter checkpoints as a new drafter directory
+    (EAGLE layout, loadable by load_head). The heads must share keys, shapes, the computation-
+    defining config fields and the target tokenizer fingerprint."""
+    paths = [Path(p) for p in paths]
+    weights = check_weights(weights, len(paths))
+    labels = [str(p) for p in paths]
+    configs, infos = zip(*(read_config(p) for p in paths))
+    check_configs(configs, labels)
+    biases = [bool(c.get("bias", False)) for c in configs]
+    if len(set(biases)) > 1:
+        raise AverageError(f"config bias: {labels[0]} has {biases[0]}, "
+                           f"{labels[biases.index(not biases[0])]} has {not biases[0]}")
+    known = {i.tokenizer_fingerprint for i in infos if i.tokenizer_fingerprint is not None}
+    if len(known) > 1:
+        listing = ", ".join(f"{label}: {info.tokenizer_fingerprint}" for label, info in zip(labels, infos))
+        raise AverageError(f"the drafters were trained for different target tokenizers ({listing})")
+    if any(i.tokenizer_fingerprint is None for i in infos):
+        warnings.warn("some drafters carry no taps.tokenizer_fingerprint (foreign checkpoints?); "
+                      "their target could not be checked")
+    state = average_state_dicts([_load_tensors(p) for p in paths], weights, labels)
+
+    names = list(names) if names is not None else [p.name for p in paths]
+    backbones = sorted({i.backbone for i in infos})
+    info = DrafterInfo(
+        backbone=backbones[0] if len(backbones) == 1 else "+".join(backbones),
+        training_data=" + ".join(f"{w:g}*{n}" for w, n in zip(weights, names)),
+        target_name=infos[0].target_name,
+        tokenizer_fingerprint=next(iter(known)) if known else None,
+        extra={"averaged_from": [{"name": n, "path": str(p), "weight": w, "backbone": i.backbone,
+                                  "training_data": i.training_data}
+                                 for n, p, w, i in zip(names, paths, weights, infos)]})
+    config = dict(configs[0])
+    config["taps"] = info.to_json()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    return out
+
+
+def sweep_dir_name(lam: float) -> str:
+    return f"lambda-{lam:g}"
+
+
+def sweep_checkpoints(path_a: str | Path, path_b: str | Path, out_root: str | Path,
+                      lambdas: Sequence[float] = DEFAULT_LAMBDAS, names: Sequence[str] | None = None) -> list[Path]:
+    """Write OUT_ROOT/lambda-<l> = l * A + (1 - l) * B for each lambda; returns the directories."""
+    out_root = Path(out_root)
+    outs = []
+    for lam in lambdas:
+        if not 0.0 <= lam <= 1.0:
+            raise AverageError(f"lambda must be in [0, 1], got {lam}")
+        outs.append(average_checkpoints([path_a, path_b], out_root / sweep_dir_name(lam), [lam, 1.0 - lam], names))
+    return outs

@@ -1,0 +1,103 @@
+"""MergedProposer: several drafters each draft a full tree; their merge is verified in one pass.
+
+SPEC §4 merged trees and §7 trie / budget merges, for any number of drafters. The merge itself is
+a pure function of the trees (taps.tree.merge_disjoint | merge_trie | merge_budget, bound to the
+tree budget by the factory), passed in as `merge`:
+- disjoint: every tree under one shared root, no cross-tree attention (the paper's merge);
+- trie:     nodes with equal token paths are one node (identical proposals cost one slot);
+- budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
+Every drafter consumes every step's accepted features, so all stay in sync. The merged tree keeps
+each node's drafters (`source`: the most confident, `sources`: bitmask of all of them).
+Verification is unchanged: greedy takes the longest match, sampling tries each distinct child
+token once (verify.py pools nodes that share a token path), so the merge is lossless.
+
+Diagnostics: `records` holds one MergeRecord per step (input tree sizes, merged size, and, once
+observed, the bitmask of drafters that proposed the accepted token path). `turn` counts start()
+calls and `step` indexes that run's DecodeResult.steps. The decoder does not call observe() after
+its last step, so that step's `accepted_sources` stays None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from taps.propose.base import Proposer
+from taps.tree import DraftTree, merge_disjoint
+from taps.verify import Acceptance
+
+
+@dataclass
+class MergeRecord:
+    turn: int  # 0-based count of start() calls
+    step: int  # index into that run's DecodeResult.steps
+    input_sizes: tuple[int, ...]  # nodes (root included) of each drafter's tree
+    merged_size: int  # nodes (root included) of the merged tree, before the decoder's depth trim
+    accepted_sources: int | None = None  # bitmask of drafters that proposed the accepted path (0: none accepted)
+
+
+def accepted_path_sources(tree: DraftTree, tokens: list[int]) -> int:
+    """Bitmask of the drafters that proposed the whole token path `tokens` (draft tokens below the
+    root) in `tree`: OR over every node reached by that path (in a disjoint merge, one per tree)."""
+    if not tokens:
+        return 0
+    kids, tree_tokens = tree.children(), tree.tokens.tolist()
+    state = [0]
+    for token in tokens:
+        state = [c for node in state for c in kids[node] if tree_tokens[c] == token]
+        if not state:
+            return 0
+    masks = tree.source_mask().tolist()
+    out = 0
+    for node in state:
+        out |= masks[node]
+    return out
+
+
+class MergedProposer:
+    def __init__(self, proposers: Sequence[Proposer],
+                 merge: Callable[[Sequence[DraftTree]], DraftTree] = merge_disjoint,
+                 names: Sequence[str] | None = None):
+        if not proposers:
+            raise ValueError("MergedProposer needs at least one drafter")
+        if names is not None and len(names) != len(proposers):
+            raise ValueError(f"{len(names)} names for {len(proposers)} drafters")
+        self.proposers = list(proposers)
+        self.merge = merge
+        self.names = list(names) if names is not None else [str(i) for i in range(len(proposers))]
+        self.records: list[MergeRecord] = []
+        self._turn = -1
+        self._step = 0
+        self._last: DraftTree | None = None
+
+    def start(self, features: Tensor, tokens: Tensor) -> None:
+        for proposer in self.proposers:
+            proposer.start(features, tokens)
+        self._turn += 1
+        self._step = 0
+        self._last = None
+
+    def propose(self) -> DraftTree:
+        if self._turn < 0:
+            raise RuntimeError("propose() before start()")
+        trees = [proposer.propose() for proposer in self.proposers]
+        merged = self.merge(trees)
+        self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),
+                                        merged_size=merged.size))
+        self._step += 1
+        self._last = merged
+        return merged
+
+    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
+        if self._last is not None and self.records:
+            # by token path, not node id: the decoder may have trimmed the tree's depth
+            self.records[-1].accepted_sources = accepted_path_sources(self._last, acceptance.tokens[1:].tolist())
+        for proposer in self.proposers:
+            proposer.observe(acceptance, features)
+
+    def step_info(self) -> dict:
+        last = self.records[-1] if self.records else None
+        return {"merge_input_sizes": list(last.input_sizes) if last else None,
+                "merge_size": last.merged_size if last else None}
