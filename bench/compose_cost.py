@@ -33,7 +33,7 @@ from taps.drafter.average import average_heads  # noqa: E402
 from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
 from taps.propose.factory import build_proposer  # noqa: E402
 from taps.target import Target, resolve_device  # noqa: E402
-from taps.testing import tiny_model  # noqa: E402
+from taps.testing import bench_model  # noqa: E402
 
 STRATEGIES = {
     "single": dict(strategy="single"),
@@ -68,10 +68,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     device = resolve_device(args.device)
-    n_heads = max(1, args.hidden // 64)
-    model = tiny_model(args.arch, seed=0, vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
-                       heads=n_heads, kv_heads=max(1, n_heads // 4) if n_heads % 4 == 0 else n_heads,
-                       intermediate=args.hidden * 3, max_positions=4096).to(device)
+    model = bench_model(args.arch, args.hidden, args.layers, args.vocab).to(device)
     target = Target(model)
     tree = TreeConfig(args.total_tokens, args.depth, args.top_k)
 

@@ -27,7 +27,7 @@ from taps.decode import generate  # noqa: E402
 from taps.drafter.checkpoint import init_head  # noqa: E402
 from taps.propose.single import SingleProposer  # noqa: E402
 from taps.target import Target, resolve_device  # noqa: E402
-from taps.testing import tiny_model  # noqa: E402
+from taps.testing import bench_model  # noqa: E402
 from taps.tree import DraftTree  # noqa: E402
 
 
@@ -83,10 +83,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     device = resolve_device(args.device)
-    heads = max(1, args.hidden // 64)
-    model = tiny_model(args.arch, seed=0, vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
-                       heads=heads, kv_heads=max(1, heads // 4) if heads % 4 == 0 else heads,
-                       intermediate=args.hidden * 3, max_positions=4096).to(device)
+    model = bench_model(args.arch, args.hidden, args.layers, args.vocab).to(device)
     target = Target(model)
     tree = TreeConfig(args.total_tokens, args.depth, args.top_k)
     head = init_head(model.config, seed=1).to(device).bind(target.embed_tokens, target.lm_head)

@@ -71,6 +71,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn_implementation: str = "s
     return model.eval()
 
 
+def bench_model(arch: str = "llama", hidden: int = 512, layers: int = 8, vocab: int = 8192, seed: int = 0):
+    """A random target of a size where the target's forward dominates a step (for bench/)."""
+    heads = max(1, hidden // 64)
+    return tiny_model(arch, seed=seed, vocab_size=vocab, hidden_size=hidden, layers=layers, heads=heads,
+                      kv_heads=max(1, heads // 4) if heads % 4 == 0 else heads, intermediate=hidden * 3,
+                      max_positions=4096)
+
+
 def write_tiny_target(out_dir: str | Path, arch: str = "llama", seed: int = 0, **config_kwargs) -> Path:
     """Save a tiny random model + tokenizer as a Hugging Face directory (safetensors)."""
     out = Path(out_dir)

@@ -18,12 +18,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
-from taps.drafter.checkpoint import (CONFIG_NAME, IGNORED_FOREIGN_KEYS, WEIGHTS_NAME, CheckpointError, DrafterInfo,
-                                     _atomic_write, read_config)
+from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, DrafterInfo, _atomic_write, read_config, read_weights
 from taps.drafter.head import EagleHead
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
@@ -127,19 +125,6 @@ def lambda_sweep(head_a: EagleHead, head_b: EagleHead,
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
-def _load_tensors(path: Path) -> dict[str, Tensor]:
-    weights = path / WEIGHTS_NAME
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing (TAPS loads safetensors only)")
-    try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
-    for key in IGNORED_FOREIGN_KEYS:
-        tensors.pop(key, None)
-    return tensors
-
-
 def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weights: Sequence[float] | None = None,
                         names: Sequence[str] | None = None) -> Path:
     """`taps average`: write the weighted average of drafter checkpoints as a new drafter directory
@@ -161,7 +146,7 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     if any(i.tokenizer_fingerprint is None for i in infos):
         warnings.warn("some drafters carry no taps.tokenizer_fingerprint (foreign checkpoints?); "
                       "their target could not be checked")
-    state = average_state_dicts([_load_tensors(p) for p in paths], weights, labels)
+    state = average_state_dicts([read_weights(p) for p in paths], weights, labels)
 
     names = list(names) if names is not None else [p.name for p in paths]
     backbones = sorted({i.backbone for i in infos})

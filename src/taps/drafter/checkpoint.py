@@ -121,6 +121,23 @@ def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:
     return config, DrafterInfo.from_json(config.get("taps") or {})
 
 
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The head tensors of a drafter directory (safetensors only; a foreign embedding dropped)."""
+    path = Path(path)
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")) if path.is_dir() else []
+        hint = f" (found {', '.join(other)}: TAPS loads safetensors only)" if other else ""
+        raise CheckpointError(f"{weights}: missing{hint}")
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    for key in IGNORED_FOREIGN_KEYS:
+        tensors.pop(key, None)
+    return tensors
+
+
 def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tuple[EagleHead, DrafterInfo]:
     """Load a drafter strictly for `target` (a taps Target), bound to its embedding and LM head."""
     path = Path(path)
@@ -139,16 +156,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
         warnings.warn(f"{cfg_path}: no taps.tokenizer_fingerprint (foreign checkpoint?); tokenizer not checked")
 
     weights = path / WEIGHTS_NAME
-    if not weights.is_file():
-        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" (found {', '.join(other)}: TAPS loads safetensors only)" if other else ""
-        raise CheckpointError(f"{weights}: missing{hint}")
-    try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
-    for key in IGNORED_FOREIGN_KEYS:
-        tensors.pop(key, None)
+    tensors = read_weights(path)
 
     fields = {k: v for k, v in config.items() if k not in NOT_HEAD_CONFIG}
     if "rope_parameters" not in fields and "rope_theta" in config:
