@@ -49,7 +49,7 @@ def test_weighted_sum_of_every_parameter(target):
 def test_averaged_head_is_bound_like_the_first(target):
     a, b = (h.bind(target.embed_tokens, target.lm_head) for h in heads(target, 1, 2))
     avg = average_heads([a, b])
-    embed, lm_head = avg._shared
+    embed, lm_head = avg.shared
     assert embed is target.embed_tokens and lm_head is target.lm_head
     assert not any("embed" in n or "lm_head" in n for n, _ in avg.named_parameters())
     default = average_heads([a, b], None)

@@ -53,7 +53,7 @@ def test_round_trip_and_shared_embedding(saved, target):
     for key, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     # The target's embedding and LM head are used by reference, never copied or registered.
-    embed, lm_head = loaded._shared
+    embed, lm_head = loaded.shared
     assert embed is target.embed_tokens and lm_head is target.lm_head
     names = {n for n, _ in loaded.named_parameters()}
     assert not any("embed" in n or "lm_head" in n for n in names)

@@ -110,8 +110,8 @@ def average_heads(heads: Sequence[EagleHead], weights: Sequence[float] | None = 
     out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
     out.load_state_dict(state, strict=True)
     out = out.to(device=ref.device, dtype=ref.dtype).eval()
-    if heads[0]._shared is not None:
-        out.bind(*heads[0]._shared)
+    if heads[0].is_bound:
+        out.bind(*heads[0].shared)
     return out
 
 

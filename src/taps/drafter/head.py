@@ -59,7 +59,13 @@ class EagleHead(nn.Module):
         self._shared = (embed_tokens, lm_head)
         return self
 
-    def _require_bound(self) -> tuple[nn.Module, nn.Module]:
+    @property
+    def is_bound(self) -> bool:
+        return self._shared is not None
+
+    @property
+    def shared(self) -> tuple[nn.Module, nn.Module]:
+        """The target's (embedding, LM head) this head uses."""
         if self._shared is None:
             raise RuntimeError("EagleHead is not bound to a target: call head.bind(embed_tokens, lm_head)")
         return self._shared
@@ -72,7 +78,7 @@ class EagleHead(nn.Module):
         attention_mask: Tensor,  # [B, 1, T, past + T] additive
         cache=None,  # the head's own DynamicCache, or None (training)
     ) -> Tensor:  # [B, T, H] predicted feature for position t + 1
-        embed, _ = self._require_bound()
+        embed, _ = self.shared
         x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))  # [B, T, H]
         cos_sin = self.rotary_emb(x, position_ids)
         return self.layers[0](
@@ -85,5 +91,5 @@ class EagleHead(nn.Module):
         )
 
     def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V]
-        _, lm_head = self._require_bound()
+        _, lm_head = self.shared
         return lm_head(hidden)

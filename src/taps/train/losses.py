@@ -186,7 +186,7 @@ class LossOutput:
 def _require_frozen_shared(head: EagleHead) -> None:
     """The embedding and LM head are the target's, shared and frozen (SPEC §1). If they required
     grad, every step would compute (and an optimizer might apply) a vocabulary-sized gradient."""
-    embed, lm_head = head._require_bound()
+    embed, lm_head = head.shared
     if any(p.requires_grad for m in (embed, lm_head) for p in m.parameters()):
         raise ValueError("the target's embedding / LM head require grad; freeze the target first: "
                          "target.model.requires_grad_(False)")
