@@ -112,3 +112,12 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
     # a rerun finds everything done
     again = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
     assert again["drafters"] == summary["drafters"]
+
+
+def test_domain_split_of_each_batch():
+    from taps.tiny.target_recipe import sequences_per_domain
+
+    assert sequences_per_domain(TargetRecipe(batch_size=8)) == {"chat": 4, "math": 4}
+    assert sequences_per_domain(TargetRecipe(batch_size=5, math_share=0.6)) == {"chat": 2, "math": 3}
+    with pytest.raises(ValueError, match="leaves a domain without sequences"):
+        sequences_per_domain(TargetRecipe(batch_size=2, math_share=0.9))

@@ -1,8 +1,8 @@
 """Recipe for the tiny chat+math target: corpus -> tokenizer -> packed blocks -> LM training -> save.
 
 The target is a small LlamaForCausalLM trained on whole conversations from English ShareGPT
-(chat) and GSM8K train (math), half of every batch from each domain, so both are well
-represented whatever their sizes. Everything derives from the seed: the held-out split, the
+(chat) and GSM8K train (math), a fixed share of every batch from each domain (half by default),
+so both are well represented whatever their sizes. Everything derives from the seed: the held-out split, the
 tokenizer, the packing order and the batch order (block k of a domain is a pure function of k),
 so an interrupted run resumes from its last checkpoint to the same weights.
 
@@ -47,7 +47,8 @@ class TargetRecipe:
     intermediate_size: int = 704
     max_positions: int = 2048
     seq_len: int = 512
-    batch_size: int = 8  # sequences per step, half from each domain
+    batch_size: int = 8  # sequences per step
+    math_share: float = 0.5  # of each batch; both domains always get at least one sequence
     steps: int = 2000
     lr: float = 2e-3
     warmup: int = 100
@@ -157,6 +158,17 @@ def build_model(recipe: TargetRecipe, tokenizer):
         return LlamaForCausalLM(config)
 
 
+def sequences_per_domain(recipe: TargetRecipe) -> dict[str, int]:
+    """How many of each batch's sequences come from each domain (the split is fixed per step, so
+    both domains are represented in every batch whatever their corpus sizes)."""
+    math = round(recipe.batch_size * recipe.math_share)
+    split = {"chat": recipe.batch_size - math, "math": math}
+    if min(split.values()) < 1:
+        raise ValueError(f"batch_size {recipe.batch_size} with math_share {recipe.math_share} leaves a domain "
+                         f"without sequences ({split}); both domains need at least one per batch")
+    return split
+
+
 def learning_rate(recipe: TargetRecipe, step: int) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak at `steps`."""
     if step < recipe.warmup:
@@ -208,8 +220,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     work.mkdir(parents=True, exist_ok=True)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    if recipe.batch_size % 2:
-        raise ValueError(f"batch_size must be even (half per domain), got {recipe.batch_size}")
+    per_domain = sequences_per_domain(recipe)
     tokenizer, tokens = prepare(recipe, work)
     train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i) for i, d in enumerate(DOMAINS)}
     heldout = {d: BlockStream(tokens[(d, "heldout")], recipe.seq_len, 0) for d in DOMAINS}
@@ -229,7 +240,6 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     log(f"model: {n_params / 1e6:.2f}M parameters; training {recipe.steps} steps of "
         f"{recipe.batch_size} x {recipe.seq_len} tokens, threads {torch.get_num_threads()}")
 
-    per_domain = recipe.batch_size // 2
     logfile = (work / "log.jsonl").open("a")
     start, window_t, window_tokens, stopped_early = time.time(), time.time(), 0, False
     model.train()
@@ -241,7 +251,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
-        x = torch.cat([train[d].take(step * per_domain, per_domain) for d in DOMAINS])  # [B, seq_len]
+        x = torch.cat([train[d].take(step * per_domain[d], per_domain[d]) for d in DOMAINS])  # [B, seq_len]
         loss = model(input_ids=x, labels=x).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
