@@ -21,14 +21,16 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Until the embedded default model ships (issue 4), the demo runs on a random tiny target:
-# it shows the commands working end to end, not a speedup (a random head accepts ~nothing).
+# The embedded default target ships in models/taps-tiny; its trained drafters do not yet (issue 4),
+# so the demo decodes a GSM8K question plainly and with an untrained head: same tokens (lossless),
+# no speedup yet (an untrained head accepts almost nothing).
 DEMO := runs/demo
+TINY := models/taps-tiny/target
+QUESTION := "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 demo: install
-	$(PY) -m taps.testing $(DEMO)/target
-	$(VENV)/bin/taps drafter init --target $(DEMO)/target --out $(DEMO)/drafter --seed 0
-	$(VENV)/bin/taps generate --target $(DEMO)/target --prompt "How many clips did Natalia sell?" --max-new-tokens 32 --device cpu --json
-	$(VENV)/bin/taps generate --target $(DEMO)/target --drafter $(DEMO)/drafter --prompt "How many clips did Natalia sell?" --max-new-tokens 32 --device cpu --json
+	$(VENV)/bin/taps drafter init --target $(TINY) --out $(DEMO)/untrained-drafter --seed 0
+	$(VENV)/bin/taps generate --target $(TINY) --prompt $(QUESTION) --max-new-tokens 128 --device cpu
+	$(VENV)/bin/taps generate --target $(TINY) --drafter $(DEMO)/untrained-drafter --prompt $(QUESTION) --max-new-tokens 128 --device cpu --json
 
 bench: install
 	$(PY) bench/decode_speed.py
