@@ -9,14 +9,14 @@ from taps.data import features as features_mod
 from taps.data.chat import encode_conversation
 from taps.data.features import FeatureSet, FeatureSettings, FeatureShards, FeaturesError, extract_features
 from taps.target import Target
-from taps.testing import _CORPUS, write_tiny_target
+from taps.testing import SAMPLE_CORPUS, write_tiny_target
 
 
 def write_records(path, n=20):
     with path.open("w") as f:
         for i in range(n):
-            convo = [{"role": "user", "content": _CORPUS[i % len(_CORPUS)]},
-                     {"role": "assistant", "content": " ".join(_CORPUS[(i + k) % len(_CORPUS)] for k in range(1, 2 + i % 3))}]
+            convo = [{"role": "user", "content": SAMPLE_CORPUS[i % len(SAMPLE_CORPUS)]},
+                     {"role": "assistant", "content": " ".join(SAMPLE_CORPUS[(i + k) % len(SAMPLE_CORPUS)] for k in range(1, 2 + i % 3))}]
             f.write(json.dumps({"id": f"r{i}", "source": "math" if i % 2 else "chat", "conversations": convo}) + "\n")
     return path
 

@@ -15,7 +15,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_CORPUS = [
+SAMPLE_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
     "How many clips did Natalia sell altogether in April and May? 48/2 = <<48/2=24>>24 #### 72",
@@ -36,7 +36,7 @@ def tiny_tokenizer(vocab_size: int = 320):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator(SAMPLE_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     fast.chat_template = CHATML_TEMPLATE

@@ -13,15 +13,15 @@ from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head
 from taps.propose.single import SingleProposer
 from taps.target import Target
-from taps.tiny.target_check import _jsonl
+from taps.tiny.target_check import first_rows
 
 BENCHES = ("gsm8k", "mt_bench")
 
 
 def bench_prompts(data_dir: str | Path, n: int) -> dict[str, list[str]]:
     data_dir = Path(data_dir)
-    return {"gsm8k": [r["question"] for r in _jsonl(data_dir / "gsm8k" / "test.jsonl", n)],
-            "mt_bench": [r["turns"][0] for r in _jsonl(data_dir / "mt_bench" / "question.jsonl", n)]}
+    return {"gsm8k": [r["question"] for r in first_rows(data_dir / "gsm8k" / "test.jsonl", n)],
+            "mt_bench": [r["turns"][0] for r in first_rows(data_dir / "mt_bench" / "question.jsonl", n)]}
 
 
 def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, n: int = 20,

@@ -37,7 +37,8 @@ def distinct_4gram_share(text: str) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def _jsonl(path: Path, n: int) -> list[dict]:
+def first_rows(path: Path, n: int) -> list[dict]:
+    """The first n JSON objects of a JSONL file."""
     rows = []
     with path.open() as f:
         for line in f:
@@ -72,8 +73,8 @@ def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_toke
                  samples: list | None = None) -> TargetCheck:
     """Greedy answers to the first n GSM8K-test and n MT-Bench questions (first turn)."""
     data_dir = Path(data_dir)
-    gsm = _jsonl(data_dir / "gsm8k" / "test.jsonl", n)
-    mt = _jsonl(data_dir / "mt_bench" / "question.jsonl", n)
+    gsm = first_rows(data_dir / "gsm8k" / "test.jsonl", n)
+    mt = first_rows(data_dir / "mt_bench" / "question.jsonl", n)
     fmt, correct, gsm_len = 0, 0, 0
     for row in gsm:
         answer, length = _answer(target, row["question"], max_new_tokens)
