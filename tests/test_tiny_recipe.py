@@ -121,3 +121,21 @@ def test_domain_split_of_each_batch():
     assert sequences_per_domain(TargetRecipe(batch_size=5, math_share=0.6)) == {"chat": 2, "math": 3}
     with pytest.raises(ValueError, match="leaves a domain without sequences"):
         sequences_per_domain(TargetRecipe(batch_size=2, math_share=0.9))
+
+
+def test_continue_training_from_a_built_target(tmp_path, data_dir):
+    from transformers import AutoTokenizer
+
+    from taps.target import tokenizer_fingerprint
+
+    first = build_target(toy(data_dir), tmp_path / "v0", tmp_path / "v0.work")
+    second = build_target(toy(data_dir, init_from=str(first), steps=4), tmp_path / "v1", tmp_path / "v1.work")
+    done = json.loads((second / "recipe.json").read_text())
+    assert done["steps_done"] == 4 and done["tokens_seen_total"] == (6 + 4) * 4 * 32
+    assert done["blocks_seen"] == {"chat": 2 * 10, "math": 2 * 10}  # continues after the 6 x 2 blocks of v0
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(first)) == \
+        tokenizer_fingerprint(AutoTokenizer.from_pretrained(second))
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(FileNotFoundError, match="recipe.json: missing"):
+        build_target(toy(data_dir, init_from=str(tmp_path)), tmp_path / "v2", tmp_path / "v2.work")

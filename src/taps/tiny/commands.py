@@ -19,6 +19,8 @@ def register(sub) -> None:
     b.add_argument("--batch-size", type=int, default=8)
     b.add_argument("--seq-len", type=int, default=512)
     b.add_argument("--math-share", type=float, default=0.5, help="share of each batch from the math domain")
+    b.add_argument("--init-from", help="continue training a target this recipe built (same tokenizer and split; "
+                                       "its data blocks are not repeated)")
     b.add_argument("--lr", type=float, default=2e-3)
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--chat-source", default="sharegpt", help="source spec of the chat domain")
@@ -69,7 +71,7 @@ def _build_target(args) -> int:
 
     recipe = TargetRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                           seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                          math_share=args.math_share,
+                          math_share=args.math_share, init_from=args.init_from,
                           lr=args.lr, minutes=args.minutes, threads=args.threads)
     build_target(recipe, args.out, args.work or f"{args.out.rstrip('/')}.work")
     return 0

@@ -61,6 +61,7 @@ class TargetRecipe:
     chat_max_tokens: int = 768  # long ShareGPT conversations are cut: first turns matter most
     tokenizer_chars: int = 30_000_000  # text used to train the tokenizer, split evenly across domains
     limit_per_domain: int | None = None  # toy runs
+    init_from: str | None = None  # continue training a target built by this recipe (its tokenizer, weights, split)
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -145,6 +146,12 @@ class BlockStream:
 def build_model(recipe: TargetRecipe, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if recipe.init_from:
+        model = LlamaForCausalLM.from_pretrained(recipe.init_from, dtype=torch.float32)
+        if model.config.vocab_size != len(tokenizer):
+            raise ValueError(f"{recipe.init_from}: vocabulary {model.config.vocab_size} != tokenizer {len(tokenizer)}")
+        return model
+
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
         num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
@@ -202,9 +209,12 @@ def prepare(recipe: TargetRecipe, work: Path):
     (work / "split.json").write_text(json.dumps(
         {d: {s: [r["id"] for r in splits[d][s]] for s in splits[d]} for d in splits}))
     t0 = time.time()
-    tokenizer = train_tokenizer(tokenizer_texts(splits, recipe.tokenizer_chars), recipe.vocab_size)
+    if recipe.init_from:  # continuing: the earlier run's tokenizer (and, with the same seed, its split)
+        tokenizer = AutoTokenizer.from_pretrained(recipe.init_from)
+    else:
+        tokenizer = train_tokenizer(tokenizer_texts(splits, recipe.tokenizer_chars), recipe.vocab_size)
     save_tokenizer(tokenizer, tok_dir)
-    log(f"tokenizer: {len(tokenizer)} tokens, trained in {time.time() - t0:.0f}s")
+    log(f"tokenizer: {len(tokenizer)} tokens, {'reused' if recipe.init_from else 'trained'} in {time.time() - t0:.0f}s")
     tokens = {}
     for (d, s), path in arrays.items():
         cut = recipe.chat_max_tokens if d == "chat" else None
@@ -221,8 +231,10 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     per_domain = sequences_per_domain(recipe)
+    prior = prior_run(recipe)  # checked before any work: --init-from must be a target this recipe built
     tokenizer, tokens = prepare(recipe, work)
     train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i) for i, d in enumerate(DOMAINS)}
+    offset = prior.get("blocks_seen", {d: 0 for d in DOMAINS})  # a continued run takes the blocks after the last run's
     heldout = {d: BlockStream(tokens[(d, "heldout")], recipe.seq_len, 0) for d in DOMAINS}
 
     model = build_model(recipe, tokenizer)
@@ -251,7 +263,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
-        x = torch.cat([train[d].take(step * per_domain[d], per_domain[d]) for d in DOMAINS])  # [B, seq_len]
+        x = torch.cat([train[d].take(offset[d] + step * per_domain[d], per_domain[d]) for d in DOMAINS])  # [B, seq_len]
         loss = model(input_ids=x, labels=x).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
@@ -284,8 +296,11 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
 
     final_eval = {f"heldout_loss_{d}": heldout_loss(model, heldout[d], len(heldout[d])) for d in DOMAINS}
     save_pretrained_target(model, tokenizer, out)
+    tokens_now = step * recipe.batch_size * recipe.seq_len
     summary = {"recipe": asdict(recipe), "steps_done": step, "stopped_early": stopped_early,
-               "tokens_seen": step * recipe.batch_size * recipe.seq_len,
+               "tokens_seen": tokens_now, "tokens_seen_total": prior.get("tokens_seen_total", 0) + tokens_now,
+               "blocks_seen": {d: offset[d] + step * per_domain[d] for d in DOMAINS},
+               "wall_time_s_total": round(prior.get("wall_time_s_total", 0.0) + elapsed_before + time.time() - start, 1),
                "wall_time_s": round(elapsed_before + time.time() - start, 1), "parameters": n_params,
                "heldout": final_eval,
                "corpus_tokens": {f"{d}/{s}": int(len(t)) for (d, s), t in tokens.items()},
@@ -293,6 +308,23 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     (out / "recipe.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"saved the target to {out}: {final_eval}")
     return out
+
+
+def prior_run(recipe: TargetRecipe) -> dict:
+    """What the run being continued (init_from) already did: blocks seen per domain, tokens, time."""
+    if not recipe.init_from:
+        return {}
+    path = Path(recipe.init_from) / "recipe.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; --init-from expects a target built by `taps tiny build-target`")
+    done = json.loads(path.read_text())
+    if "blocks_seen" not in done:  # the first shipped run recorded its recipe only
+        earlier = TargetRecipe(**{k: v for k, v in done["recipe"].items() if k in TargetRecipe.__dataclass_fields__})
+        split = sequences_per_domain(earlier)
+        done["blocks_seen"] = {d: done["steps_done"] * split[d] for d in DOMAINS}
+    done.setdefault("tokens_seen_total", done.get("tokens_seen", 0))
+    done.setdefault("wall_time_s_total", done.get("wall_time_s", 0.0))
+    return done
 
 
 def save_pretrained_target(model, tokenizer, out: Path) -> None:
