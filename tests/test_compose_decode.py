@@ -316,3 +316,16 @@ def test_routing_signal_ties_go_to_the_first_drafter():
     assert CONFIDENCE.choose([0.2, 0.5, 0.5]) == 1
     lowest = RoutingSignal("entropy", lambda t: 0.0, higher_wins=False)
     assert lowest.choose([1.0, 0.3, 0.3]) == 1
+
+
+def test_group_arguments_are_checked():
+    from taps.propose.merged import MergedProposer
+    from taps.propose.routed import RoutedProposer
+
+    for cls in (RoutedProposer, MergedProposer):
+        with pytest.raises(ValueError, match=f"{cls.__name__} needs at least one drafter"):
+            cls([])
+        with pytest.raises(ValueError, match="1 names for 2 drafters"):
+            cls([object(), object()], names=["a"])
+        with pytest.raises(RuntimeError, match="before start"):
+            cls([object()]).propose()

@@ -14,6 +14,7 @@ scores, merge sizes); decode.py stores it in that step's StepStats.info.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -29,3 +30,28 @@ class Proposer(Protocol):
     def propose(self) -> DraftTree: ...
 
     def observe(self, acceptance: Acceptance, features: Tensor) -> None: ...
+
+
+class ProposerGroup:
+    """What every composition of several proposers shares: the members, their names, and the
+    turn / step counters that key its decision logs to DecodeResult.steps."""
+
+    def __init__(self, proposers: Sequence[Proposer], names: Sequence[str] | None = None):
+        if not proposers:
+            raise ValueError(f"{type(self).__name__} needs at least one drafter")
+        if names is not None and len(names) != len(proposers):
+            raise ValueError(f"{len(names)} names for {len(proposers)} drafters")
+        self.proposers = list(proposers)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(proposers))]
+        self._turn = -1  # start() calls so far, minus one
+        self._step = 0  # proposals in the current turn
+
+    def start(self, features: Tensor, tokens: Tensor) -> None:
+        for proposer in self.proposers:
+            proposer.start(features, tokens)
+        self._turn += 1
+        self._step = 0
+
+    def _check_started(self) -> None:
+        if self._turn < 0:
+            raise RuntimeError("propose() before start()")

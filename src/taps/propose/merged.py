@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from taps.propose.base import Proposer
+from taps.propose.base import Proposer, ProposerGroup
 from taps.tree import DraftTree, merge_disjoint
 from taps.verify import Acceptance
 
@@ -56,32 +56,21 @@ def accepted_path_sources(tree: DraftTree, tokens: list[int]) -> int:
     return out
 
 
-class MergedProposer:
+class MergedProposer(ProposerGroup):
     def __init__(self, proposers: Sequence[Proposer],
                  merge: Callable[[Sequence[DraftTree]], DraftTree] = merge_disjoint,
                  names: Sequence[str] | None = None):
-        if not proposers:
-            raise ValueError("MergedProposer needs at least one drafter")
-        if names is not None and len(names) != len(proposers):
-            raise ValueError(f"{len(names)} names for {len(proposers)} drafters")
-        self.proposers = list(proposers)
+        super().__init__(proposers, names)
         self.merge = merge
-        self.names = list(names) if names is not None else [str(i) for i in range(len(proposers))]
         self.records: list[MergeRecord] = []
-        self._turn = -1
-        self._step = 0
         self._last: DraftTree | None = None
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
-        for proposer in self.proposers:
-            proposer.start(features, tokens)
-        self._turn += 1
-        self._step = 0
+        super().start(features, tokens)
         self._last = None
 
     def propose(self) -> DraftTree:
-        if self._turn < 0:
-            raise RuntimeError("propose() before start()")
+        self._check_started()
         trees = [proposer.propose() for proposer in self.proposers]
         merged = self.merge(trees)
         self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from taps.propose.base import Proposer
+from taps.propose.base import Proposer, ProposerGroup
 from taps.tree import DraftTree
 from taps.verify import Acceptance
 
@@ -69,34 +69,23 @@ class RouteDecision:
     signal: str  # "confidence" (higher wins) | "entropy" (lower wins)
 
 
-class RoutedProposer:
+class RoutedProposer(ProposerGroup):
     def __init__(self, proposers: Sequence[Proposer], signal: RoutingSignal = CONFIDENCE, per_turn: bool = False,
                  names: Sequence[str] | None = None):
-        if not proposers:
-            raise ValueError("RoutedProposer needs at least one drafter")
-        if names is not None and len(names) != len(proposers):
-            raise ValueError(f"{len(names)} names for {len(proposers)} drafters")
-        self.proposers = list(proposers)
+        super().__init__(proposers, names)
         self.signal = signal
         self.per_turn = per_turn
-        self.names = list(names) if names is not None else [str(i) for i in range(len(proposers))]
         self.decisions: list[RouteDecision] = []
         self.chosen: list[int] = []  # the verified drafter at every step of the current turn
-        self._turn = -1
-        self._step = 0
         self._winner: int | None = None  # per-turn decision, once made
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
-        for proposer in self.proposers:
-            proposer.start(features, tokens)
-        self._turn += 1
-        self._step = 0
+        super().start(features, tokens)
         self._winner = None
         self.chosen = []
 
     def propose(self) -> DraftTree:
-        if self._turn < 0:
-            raise RuntimeError("propose() before start()")
+        self._check_started()
         if self._winner is not None:  # per-turn routing, decided earlier in this turn
             winner, tree = self._winner, self.proposers[self._winner].propose()
         else:
