@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_drafter(sub)
     from taps.data import commands as data_commands
+    from taps.eval import commands as eval_commands
     from taps.propose import commands as propose_commands
     from taps.tiny import commands as tiny_commands
     from taps.train import commands as train_commands
@@ -145,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     propose_commands.register(sub)
     train_commands.register(sub)
     tiny_commands.register(sub)
+    eval_commands.register(sub)
+    eval_commands.register_study(sub)
+    from taps.eval import report
+
+    report.register(sub)
     return parser
 
 

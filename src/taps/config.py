@@ -55,6 +55,7 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    trace: bool = False  # record taps.trace.StepTrace per step (confidences, entropies); its cost is not timed
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -22,6 +22,7 @@ from torch import Tensor
 from taps.config import DecodeConfig
 from taps.propose.base import Proposer
 from taps.target import Target
+from taps.trace import StepTrace, step_trace
 from taps.tree import DraftTree
 from taps.verify import sample_token, verify
 
@@ -41,6 +42,7 @@ class StepStats:
     other_s: float  # verification, commit, bookkeeping
     sources: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
     info: dict = field(default_factory=dict)  # the proposer's own record of this step (e.g. routing scores)
+    trace: StepTrace | None = None  # node confidences and entropies, when DecodeConfig.trace is set
 
 
 @dataclass
@@ -52,6 +54,7 @@ class DecodeResult:
     prefill_s: float
     total_s: float
     reused_prefix: int = 0  # prompt tokens whose KV rows were reused from the previous turn
+    trace_s: float = 0.0  # time spent tracing (DecodeConfig.trace), excluded from total_s and the steps
 
     @property
     def verifier_calls(self) -> int:
@@ -139,7 +142,7 @@ class Decoder:
         new, steps, pending = [first], [], first
         stop = set(cfg.stop_token_ids)
         stop_reason = "stop_token" if first in stop else "max_new_tokens"
-        observe_s = 0.0
+        observe_s, trace_s = 0.0, 0.0
         while stop_reason != "stop_token" and len(new) < cfg.max_new_tokens:
             # 1-2. draft a tree and trim it to the remaining budget
             a = _clock(device)
@@ -153,6 +156,13 @@ class Decoder:
             out = target.forward_tree(tree)
             c = _clock(device)
             acc = verify(tree, out.logits, cfg.sampling, gen)
+            trace = None
+            if cfg.trace:  # read-only; its time is taken out of this step's clock below
+                t = _clock(device)
+                trace = step_trace(tree, acc, out.logits)
+                traced = _clock(device) - t
+                trace_s += traced
+                c += traced
             # 4. emit, cut at the first stop token
             emitted = acc.new_tokens
             m = next((i + 1 for i, tok in enumerate(emitted) if tok in stop), len(emitted))
@@ -173,7 +183,7 @@ class Decoder:
             d = _clock(device)
             steps.append(StepStats(accepted=acc.accepted, emitted=m, tree_size=tree.size, source=source,
                                    draft_s=observe_s + (b - a), target_s=c - b, other_s=d - c, sources=sources,
-                                   info=info))
+                                   info=info, trace=trace))
             # 6. feed the accepted features back (only if decoding goes on)
             observe_s = 0.0
             if self.proposer is not None and stop_reason != "stop_token" and len(new) < cfg.max_new_tokens:
@@ -182,7 +192,7 @@ class Decoder:
                 observe_s = _clock(device) - e
         t2 = _clock(device)
         return DecodeResult(tokens=new, steps=steps, prompt_tokens=len(context_ids), stop_reason=stop_reason,
-                            prefill_s=t1 - t0, total_s=t2 - t0, reused_prefix=keep)
+                            prefill_s=t1 - t0, total_s=t2 - t0 - trace_s, reused_prefix=keep, trace_s=trace_s)
 
     def _features_prefix(self, n: int) -> list[Tensor]:
         if n == 0 or not self._features:

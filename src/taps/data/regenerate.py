@@ -11,8 +11,6 @@ skips every id already in the output, and drops a torn last line left by a crash
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -21,6 +19,7 @@ from pathlib import Path
 from taps.config import DecodeConfig, SamplingConfig
 from taps.data.features import read_records
 from taps.decode import ChatSession
+from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
 
 
 @dataclass
@@ -33,24 +32,14 @@ class RegenerateSettings:
 
 def _done_ids(out: Path) -> set[str]:
     """Ids already written; a torn last line (crash during a write) is cut off."""
-    if not out.is_file():
-        return set()
-    done, good_end = set(), 0
-    with out.open("rb") as f:
-        data = f.read()
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError):
-            lineno = data[:good_end].count(b"\n") + 1
-            raise ValueError(f"{out}: line {lineno} is not a regenerated record; refusing to append to it") from None
-        good_end += len(line)
-    if good_end < len(data):
-        with out.open("r+b") as f:
-            f.truncate(good_end)
-    return done
+    try:
+        rows, _ = read_jsonl(out, repair_torn=True)
+    except JsonlFormatError as err:
+        raise ValueError(f"{err}; refusing to append to it") from None
+    for lineno, row in rows:
+        if "id" not in row:
+            raise ValueError(f"{out}: line {lineno} is not a regenerated record; refusing to append to it")
+    return {str(row["id"]) for _, row in rows}
 
 
 def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSettings = RegenerateSettings(),
@@ -69,18 +58,15 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
                         stop_token_ids=target.stop_token_ids())
     written, start = 0, time.time()
     todo = [(i, r) for i, r in enumerate(records) if ids[i] not in done]
-    with out.open("a", encoding="utf-8") as f:
-        for n, (i, record) in enumerate(todo, 1):
-            new_record = _regenerate_one(target, record, replace(base, seed=settings.seed * 1_000_003 + i), proposer)
-            new_record["regenerated"].update(temperature=settings.temperature, seed=settings.seed)
-            f.write(json.dumps(new_record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            written += 1
-            if progress is not None and (n % 10 == 0 or n == len(todo)):
-                rate = n / (time.time() - start)
-                print(f"regenerate: {len(done) + n}/{len(records)} records, {rate:.2f} records/s, "
-                      f"ETA {(len(todo) - n) / rate / 60:.1f} min", file=progress, flush=True)
+    for n, (i, record) in enumerate(todo, 1):
+        new_record = _regenerate_one(target, record, replace(base, seed=settings.seed * 1_000_003 + i), proposer)
+        new_record["regenerated"].update(temperature=settings.temperature, seed=settings.seed)
+        append_jsonl(out, [new_record])
+        written += 1
+        if progress is not None and (n % 10 == 0 or n == len(todo)):
+            rate = n / (time.time() - start)
+            print(f"regenerate: {len(done) + n}/{len(records)} records, {rate:.2f} records/s, "
+                  f"ETA {(len(todo) - n) / rate / 60:.1f} min", file=progress, flush=True)
     return written
 
 

@@ -39,6 +39,9 @@ class DrafterRecipe:
     backbones: tuple[str, ...] = BACKBONES
     domains: tuple[str, ...] = DOMAINS
     threads: int | None = None
+    device: str = "cpu"  # the target's device for features and training ("auto" takes a GPU)
+    dtype: str = "float32"  # the target's weights
+    feature_dtype: str = "fp32"  # stored features: fp32 for exact CPU runs, bf16 at 8B scale
 
 
 def log(msg: str) -> None:
@@ -81,12 +84,12 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     unknown = set(recipe.domains) - set(DOMAINS) | set(recipe.backbones) - set(BACKBONES)
     if unknown:
         raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
-    target = Target.load(target_dir, device="cpu", dtype="float32")
+    target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     data = _domain_data(recipe, work)
     features = {}
     for domain, path in data.items():
         features[domain] = work / f"features-{domain}"
-        manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype="fp32"))
+        manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
         log(f"features {domain}: {manifest['records_done']} records, {manifest['tokens']:,} tokens, "
             f"{manifest['assistant_tokens']:,} assistant tokens")
     summary_path = out / "drafters.json"

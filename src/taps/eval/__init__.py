@@ -1,0 +1,1 @@
+"""The study harness: benchmarks, runner, metrics, report."""

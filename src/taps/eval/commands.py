@@ -1,0 +1,149 @@
+"""`taps eval` (and the study commands): argument parsing only; the work is in eval/*.py.
+
+    taps eval --target DIR --variant NAME=SPEC ... --bench mt_bench,gsm8k,math500,svamp \\
+              --temperature 0,1 --out DIR [--limit N --max-new-tokens 512 --seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature expects comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--temperature expects numbers >= 0, got {text!r}")
+    return values
+
+
+def _variant(text: str):
+    from taps.eval.variants import VariantSpecError, parse_variant
+
+    try:
+        return parse_variant(text)
+    except VariantSpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_decode_arguments(p) -> None:
+    """Target, tree and decoding options shared by `taps eval` and the study commands."""
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--total-tokens", type=int, default=60, help="tree budget, root included")
+    p.add_argument("--depth", type=int, default=5, help="draft levels below the root")
+    p.add_argument("--top-k", type=int, default=10, help="tree beam width / branching")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="decode benchmarks with every variant; one JSONL record per question and turn",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--variant", action="append", required=True, type=_variant, metavar="NAME=SPEC",
+                   help="repeat; SPEC = baseline | DIR | average[-L]:A,B | route[-confidence|-entropy][-step|-turn]:A,B"
+                        " | merge[-disjoint|-trie|-budget]:A,B, where A, B are [name=]DIR")
+    p.add_argument("--bench", default="mt_bench,gsm8k,math500,svamp",
+                   help="comma-separated benchmark names or paths to FastChat question.jsonl files ([name=]PATH)")
+    p.add_argument("--temperature", type=_temperatures, default=(0.0,), help="comma-separated, e.g. 0,1")
+    p.add_argument("--out", required=True, help="results directory (records.jsonl, run.json); reruns resume")
+    p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    p.add_argument("--limit", type=int, help="first N questions of each benchmark")
+    p.add_argument("--category", action="append", help="keep only this category (repeat)")
+    add_decode_arguments(p)
+    p.set_defaults(func=_eval)
+
+
+def load_target_for_eval(path: str, device: str, dtype: str):
+    """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
+    import os
+
+    from taps.target import Target
+
+    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        device = str(PartialState().device)
+    return Target.load(path, device=device, dtype=dtype)
+
+
+def settings_from(args):
+    from taps.config import TreeConfig
+    from taps.eval.runner import EvalSettings
+
+    return EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                        tree=TreeConfig(args.total_tokens, args.depth, args.top_k), top_p=args.top_p)
+
+
+def _eval(args) -> int:
+    from taps.eval.benchmarks import load_benchmark, parse_bench_list
+    from taps.eval.runner import run_eval
+
+    questions = [q for name in parse_bench_list(args.bench)
+                 for q in load_benchmark(name, args.data_dir, limit=args.limit, categories=args.category)]
+    target = load_target_for_eval(args.target, args.device, args.dtype)
+    written = run_eval(target, args.target, args.variant, questions, args.out, settings_from(args),
+                       progress=not args.no_progress)
+    print(f"taps eval: {written} conversations decoded in this run; results in {args.out}")
+    return 0
+
+
+def register_study(sub) -> None:
+    """`taps reproduce CONFIG` and `taps demo`."""
+    r = sub.add_parser("reproduce", help="run a whole study from a YAML config: target, drafters, eval, report",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("config", help="study config, e.g. configs/tiny.yaml")
+    r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
+                                      "else $TAPS_DATA_DIR)")
+    r.add_argument("--stages", default=",".join(_stages()), help="comma-separated subset of the stages, in order")
+    r.add_argument("--dry-run", action="store_true", help="print what would run (and what is skipped); run nothing")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=_reproduce)
+
+    d = sub.add_parser("demo", help="a small study on the embedded default: every variant of both backbones",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--models", default="models/taps-tiny", help="the embedded default (target/ and drafters/)")
+    d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+                                      "else the Hugging Face hub)")
+    d.add_argument("--out", default="runs/demo-study", help="results/ and report/ go here; a rerun resumes")
+    d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_demo)
+
+
+def _stages() -> tuple[str, ...]:
+    from taps.eval.study import STAGES
+
+    return STAGES
+
+
+def _reproduce(args) -> int:
+    from taps.eval.study import load_study, plan, run_study
+
+    study = load_study(args.config, args.data_dir)
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    print("\n".join(plan(study, stages)))
+    if args.dry_run:
+        return 0
+    report = run_study(study, stages, progress=not args.no_progress)
+    print(f"taps reproduce: report in {report / 'report.md'}")
+    return 0
+
+
+def _demo(args) -> int:
+    from taps.eval.report import terminal_summary
+    from taps.eval.study import demo_study, run_study
+
+    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens)
+    print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
+          f"each, temperature 0) on {study.target}")
+    report = run_study(study, ("eval", "report"), progress=not args.no_progress)
+    print(terminal_summary(study.results))
+    print(f"\nfull report: {report / 'report.md'}")
+    return 0

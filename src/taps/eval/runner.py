@@ -1,0 +1,208 @@
+"""`taps eval`: decode every benchmark question with every variant, one record per turn.
+
+Order: for each question, for each temperature, every variant in turn — so all variants see the
+same machine noise and the baseline's speed is measured side by side with theirs (SPEC §5).
+MT-Bench's second turn continues each variant's own conversation (its own first answer).
+
+Resumable: the turns of one conversation are appended in one write (taps.jsonl); a rerun skips
+every conversation already written, in records.jsonl or in a shard, and never rewrites them.
+`run.json` pins what the records mean (target, tree, max_new_tokens, variant specs): a rerun with
+a different one is refused rather than mixed in.
+
+Sharded: under `accelerate launch` / `torchrun` (WORLD_SIZE > 1) process r takes questions
+r, r + W, ... and writes shards/rank-r.jsonl; at the end rank 0 merges the shards into
+records.jsonl and removes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.decode import ChatSession, chat_ids
+from taps.eval.benchmarks import Question
+from taps.eval.records import conversation_key, read_records, record_key, turn_record
+from taps.eval.variants import HeadPool, VariantSpec
+from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic
+
+RECORDS = "records.jsonl"
+SHARDS = "shards"
+RUN_INFO = "run.json"
+
+
+class ResultsMismatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 512
+    seed: int = 0
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    top_p: float = 1.0
+    warmup: bool = True  # decode a few tokens with every variant before timing anything
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    world: int = 1
+
+    def mine(self, index: int) -> bool:
+        return index % self.world == self.rank
+
+
+def current_shard() -> Shard:
+    """This process's shard under accelerate / torchrun (both set RANK and WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Shard(int(os.environ.get("RANK", "0")), world) if world > 1 else Shard()
+
+
+def question_seed(base: int, bench: str, question_id: str, temperature: float) -> int:
+    """A seed per (question, temperature) shared by all variants: stable across runs and shards."""
+    digest = hashlib.sha256(f"{base}|{bench}|{question_id}|{temperature}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings: EvalSettings,
+             questions: Sequence[Question] = ()) -> dict:
+    benches: dict[str, int] = {}
+    for q in questions:
+        benches[q.bench] = benches.get(q.bench, 0) + 1
+    return {"target": str(target_dir), "target_fingerprint": target.fingerprint(),
+            "tree": asdict(settings.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
+            "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
+            "temperatures": list(settings.temperatures), "benches": benches}
+
+
+def check_run_info(out: Path, info: dict) -> dict:
+    """Refuse to mix records made under other settings; merge in new variants."""
+    path = out / RUN_INFO
+    if not path.is_file():
+        return info
+    old = json.loads(path.read_text())
+    for key in ("target_fingerprint", "tree", "max_new_tokens", "seed", "top_p"):
+        if old.get(key) != info[key]:
+            raise ResultsMismatchError(
+                f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info[key]!r}; "
+                "use another --out (or the same settings) so records of different runs are never mixed")
+    for name, spec in info["variants"].items():
+        if name in old.get("variants", {}) and old["variants"][name] != spec:
+            raise ResultsMismatchError(f"{path}: variant {name!r} was {old['variants'][name]}, now {spec}; "
+                                       "give the new one another name or use another --out")
+    temperatures = sorted(set(old.get("temperatures", [])) | set(info["temperatures"]))
+    benches = {b: max(n, info["benches"].get(b, 0)) for b, n in old.get("benches", {}).items()}
+    return {**old, "variants": {**old.get("variants", {}), **info["variants"]}, "temperatures": temperatures,
+            "benches": {**info["benches"], **benches}}
+
+
+def finished(out: Path) -> set[tuple]:
+    """Conversation keys already written anywhere in the results directory."""
+    done = set()
+    for path in [out / RECORDS, *sorted((out / SHARDS).glob("*.jsonl"))]:
+        done.update(conversation_key(r) for r in read_records(path))
+    return done
+
+
+def decode_conversation(target, proposer, question: Question, cfg: DecodeConfig) -> list:
+    """Every turn of one question in one chat session: (DecodeResult, reply text) per turn."""
+    session = ChatSession(target, proposer, cfg)
+    turns = []
+    for text in question.turns:
+        prompt_len = len(chat_ids(target.tokenizer, session.messages + [{"role": "user", "content": text}]))
+        room = target.context_window - prompt_len
+        if room < 1:
+            raise ValueError(f"{question.bench} question {question.question_id}: the turn's prompt has {prompt_len} "
+                             f"tokens, the target's context window is {target.context_window}")
+        session.cfg = replace(session.cfg, max_new_tokens=min(cfg.max_new_tokens, room))
+        reply, result = session.send(text)
+        turns.append((result, reply))
+    return turns
+
+
+def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions: Sequence[Question],
+             out: str | Path, settings: EvalSettings = EvalSettings(), shard: Shard | None = None,
+             progress: bool = True) -> int:
+    """Decode what is not yet in `out`; returns the number of conversations written by this process."""
+    out = Path(out)
+    shard = shard or current_shard()
+    if not variants:
+        raise ValueError("no --variant given")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must be unique, got {', '.join(names)}")
+    info = check_run_info(out, run_info(target, target_dir, variants, settings, questions))
+    if shard.rank == 0:
+        write_json_atomic(out / RUN_INFO, info)
+    sink = out / RECORDS if shard.world == 1 else out / SHARDS / f"rank-{shard.rank}.jsonl"
+    read_jsonl(sink, repair_torn=True)  # only this process appends to its sink
+    done = finished(out)
+    pool = HeadPool(target)
+    stop = target.stop_token_ids()
+    units = [(q, t, v) for i, q in enumerate(questions) if shard.mine(i)
+             for t in settings.temperatures for v in variants
+             if (v.name, q.bench, float(t), q.question_id) not in done]
+    if settings.warmup and units:
+        warm = DecodeConfig(max_new_tokens=8, stop_token_ids=stop)
+        for v in variants:
+            decode_conversation(target, pool.proposer(v, settings.tree), Question("warmup", "0", "", ("Hello",)), warm)
+    bar = _progress(len(units), progress and shard.rank == 0, shard)
+    for q, temperature, v in units:
+        seed = question_seed(settings.seed, q.bench, q.question_id, temperature)
+        cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, stop_token_ids=stop, seed=seed,
+                           sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
+                           trace=v.strategy != "baseline")
+        turns = decode_conversation(target, pool.proposer(v, settings.tree), q, cfg)
+        append_jsonl(sink, [turn_record(result, variant=v.name, bench=q.bench, question_id=q.question_id, turn=i,
+                                        temperature=temperature, category=q.category, seed=seed,
+                                        drafters=v.member_names, output=reply)
+                            for i, (result, reply) in enumerate(turns)])
+        bar.update(1)
+    bar.close()
+    if shard.world > 1:
+        _barrier()
+        if shard.rank == 0:
+            merge_shards(out)
+        _barrier()
+    return len(units)
+
+
+def merge_shards(out: Path) -> int:
+    """Append every shard record not yet in records.jsonl (in key order), then remove the shards."""
+    main = out / RECORDS
+    read_jsonl(main, repair_torn=True)
+    have = {record_key(r) for r in read_records(main)}
+    shards = sorted((out / SHARDS).glob("*.jsonl"))
+    new = sorted((r for path in shards for r in read_records(path) if record_key(r) not in have), key=record_key)
+    append_jsonl(main, new)
+    for path in shards:
+        path.unlink()
+    return len(new)
+
+
+def _barrier() -> None:
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
+
+
+class _Quiet:
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress(total: int, show: bool, shard: Shard):
+    if not show:
+        return _Quiet()
+    from tqdm import tqdm
+
+    desc = "eval" if shard.world == 1 else f"eval (rank 0 of {shard.world})"
+    return tqdm(total=total, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)

@@ -1,0 +1,279 @@
+"""A whole study as one config: target -> drafters -> evaluation -> report (`taps reproduce`).
+
+    name: tiny
+    out: runs/study-tiny               # results/, report/ and work/ go here
+    data_dir: null                     # else --data-dir / $TAPS_DATA_DIR
+    target: {path: DIR, build: {...}}  # build: taps.tiny TargetRecipe fields, run if DIR is missing
+    drafters: {out: DIR, recipe: {...}}  # recipe: DrafterRecipe fields; without it DIR must hold the heads
+    backbones: [eagle2, hass]          # expands "{backbone}" in variant names and specs
+    lambdas: [0.1, 0.5, 0.9]           # expands "{lambda}" (the averaging sweep)
+    variants: {NAME: SPEC, ...}        # taps.eval.variants SPEC strings; "{drafters}" = drafters.out
+    eval: {bench: [...], temperatures: [0, 1], limit: N, max_new_tokens: 512, seed: 0,
+           tree: {total_tokens: 60, depth: 5, top_k: 10}, device: auto, dtype: auto, categories: [...]}
+
+Every stage is resumable and skips what is already done, so rerunning a study continues it.
+Unknown keys are errors naming the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from taps.config import TreeConfig
+from taps.eval.runner import EvalSettings
+from taps.eval.variants import VariantSpec, VariantSpecError, variant_from_config
+
+STAGES = ("target", "drafters", "eval", "report")
+
+# The paper's seven variants per backbone (SPEC §1), plus the baseline and this project's merges.
+PAPER_VARIANTS = {
+    "baseline": "baseline",
+    "{backbone}-math": "{drafters}/{backbone}-math",
+    "{backbone}-chat": "{drafters}/{backbone}-chat",
+    "{backbone}-mixed-small": "{drafters}/{backbone}-mixed-small",
+    "{backbone}-mixed-large": "{drafters}/{backbone}-mixed-large",
+    "{backbone}-averaged": "average-0.5:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+    "{backbone}-routed": "route-confidence-step:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+    "{backbone}-merged": "merge-disjoint:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+}
+EXTRA_VARIANTS = {
+    "{backbone}-routed-entropy": "route-entropy-turn:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+    "{backbone}-merged-trie": "merge-trie:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+    "{backbone}-merged-budget": "merge-budget:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+}
+
+
+class StudyConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Study:
+    name: str
+    out: Path
+    target: Path
+    drafters: Path
+    variants: list[VariantSpec]
+    benches: list[str]
+    settings: EvalSettings
+    data_dir: str | None = None
+    target_build: dict | None = None  # TargetRecipe fields
+    drafter_recipe: dict | None = None  # DrafterRecipe fields
+    limit: int | None = None
+    categories: list[str] | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    source: str = "<dict>"  # where the config came from, for messages
+
+    @property
+    def results(self) -> Path:
+        return self.out / "results"
+
+    @property
+    def report(self) -> Path:
+        return self.out / "report"
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+
+def _check_keys(where: str, mapping, allowed: set[str]) -> dict:
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, dict):
+        raise StudyConfigError(f"{where}: expected a mapping, got {type(mapping).__name__}")
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise StudyConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(allowed))}")
+    return mapping
+
+
+def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
+    if mapping is None:
+        return None
+    names = {f.name for f in fields(recipe_cls)} - {"data_dir"}
+    return dict(_check_keys(where, mapping, names))
+
+
+def expand_variants(templates: dict, backbones: list[str], lambdas: list[float], drafters: Path,
+                    where: str) -> list[VariantSpec]:
+    """Variant templates -> specs: "{backbone}" and "{lambda}" expand over their lists."""
+    out: list[VariantSpec] = []
+    for name, spec in templates.items():
+        name = str(name)
+        for backbone in (backbones if "{backbone}" in name else [None]):
+            for lam in (lambdas if "{lambda}" in name else [None]):
+                values = {"backbone": backbone, "lambda": f"{lam:g}" if lam is not None else None,
+                          "drafters": str(drafters)}
+                def fill(text: str) -> str:
+                    for key, value in values.items():
+                        if value is not None:
+                            text = text.replace("{" + key + "}", value)
+                    return text
+                full = fill(name)
+                entry = fill(spec) if isinstance(spec, str) else {
+                    k: ({m: fill(d) for m, d in v.items()} if k == "drafters" and isinstance(v, dict) else v)
+                    for k, v in spec.items()} if isinstance(spec, dict) else spec
+                if "{" in full or (isinstance(entry, str) and "{" in entry):
+                    raise StudyConfigError(f"{where}: variant {name!r} has a placeholder that is not "
+                                           "{backbone}, {lambda} or {drafters}")
+                try:
+                    out.append(variant_from_config(full, entry, where))
+                except VariantSpecError as err:
+                    raise StudyConfigError(str(err)) from None
+    names = [v.name for v in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise StudyConfigError(f"{where}: variant names repeat after expansion: {', '.join(dup)}")
+    return out
+
+
+def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None = None) -> Study:
+    from taps.tiny.drafter_recipe import DrafterRecipe
+    from taps.tiny.target_recipe import TargetRecipe
+
+    top = _check_keys(source, config, {"name", "out", "data_dir", "target", "drafters", "backbones", "lambdas",
+                                       "variants", "eval"})
+    for key in ("name", "out", "target", "drafters", "variants"):
+        if key not in top:
+            raise StudyConfigError(f"{source}: missing key {key!r}")
+    target = _check_keys(f"{source}: target", top["target"], {"path", "build"})
+    drafters = _check_keys(f"{source}: drafters", top["drafters"], {"out", "recipe"})
+    if "path" not in target or "out" not in drafters:
+        raise StudyConfigError(f"{source}: target.path and drafters.out are required")
+    ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
+                                                          "tree", "top_p", "device", "dtype", "categories"})
+    tree = _check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k"})
+    try:
+        settings = EvalSettings(temperatures=tuple(float(t) for t in ev.get("temperatures", [0.0])),
+                                max_new_tokens=int(ev.get("max_new_tokens", 512)), seed=int(ev.get("seed", 0)),
+                                tree=TreeConfig(**tree), top_p=float(ev.get("top_p", 1.0)))
+    except (TypeError, ValueError) as err:
+        raise StudyConfigError(f"{source}: eval: {err}") from None
+    benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
+    if isinstance(benches, str):
+        benches = [b.strip() for b in benches.split(",") if b.strip()]
+    variants_cfg = top["variants"]
+    if not isinstance(variants_cfg, dict) or not variants_cfg:
+        raise StudyConfigError(f"{source}: variants must be a non-empty mapping NAME: SPEC")
+    drafters_dir = Path(drafters["out"])
+    variants = expand_variants(variants_cfg, list(top.get("backbones", ["eagle2", "hass"])),
+                               [float(x) for x in top.get("lambdas", [])], drafters_dir, f"{source}: variants")
+    return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
+                 variants=variants, benches=list(benches), settings=settings,
+                 data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
+                 target_build=_recipe_fields(f"{source}: target.build", target.get("build"), TargetRecipe),
+                 drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
+                 limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
+                 dtype=str(ev.get("dtype", "auto")), source=source)
+
+
+def load_study(path: str | Path, data_dir: str | None = None) -> Study:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"study config {path} does not exist")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise StudyConfigError(f"{path}: not valid YAML: {err}") from None
+    return study_from_dict(config, str(path), data_dir)
+
+
+def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
+    """What run_study would do, stage by stage, and what it would skip (the dry run)."""
+    lines = [f"study {study.name} ({study.source}) -> {study.out}"]
+    if "target" in stages:
+        if (study.target / "config.json").is_file():
+            lines.append(f"target: {study.target} exists, used as is")
+        elif study.target_build is not None:
+            lines.append(f"target: build the tiny target into {study.target} ({study.target_build})")
+        else:
+            lines.append(f"target: {study.target} is MISSING and the config has no target.build")
+    if "drafters" in stages:
+        if study.drafter_recipe is not None:
+            lines.append(f"drafters: train into {study.drafters} (resumable; finished heads skipped): "
+                         f"{study.drafter_recipe}")
+        else:
+            lines.append(f"drafters: use the heads in {study.drafters}")
+    if "eval" in stages:
+        lines.append(f"eval: {len(study.variants)} variants x {', '.join(study.benches)} x temperatures "
+                     f"{', '.join(f'{t:g}' for t in study.settings.temperatures)}"
+                     f" (limit {study.limit or 'none'}, max_new_tokens {study.settings.max_new_tokens}, tree "
+                     f"{study.settings.tree.total_tokens}/{study.settings.tree.depth}/{study.settings.tree.top_k})"
+                     f" -> {study.results}")
+        for v in study.variants:
+            members = ", ".join(f"{n}={d}" for n, d in v.drafters)
+            lines.append(f"  {v.name}: {v.strategy}" + (f" [{members}]" if members else ""))
+    if "report" in stages:
+        lines.append(f"report: tables and figures -> {study.report}")
+    return lines
+
+
+def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = True) -> Path:
+    """Run the requested stages in order; returns the report directory."""
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))}; expected {', '.join(STAGES)}")
+    if "target" in stages and not (study.target / "config.json").is_file():
+        if study.target_build is None:
+            raise FileNotFoundError(f"{study.source}: target {study.target} does not exist and there is no "
+                                    "target.build to make it")
+        from taps.tiny.target_recipe import TargetRecipe, build_target
+
+        build_target(TargetRecipe(data_dir=study.data_dir, **study.target_build), study.target, study.work / "target")
+    if "drafters" in stages and study.drafter_recipe is not None:
+        from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+
+        recipe = DrafterRecipe(data_dir=study.data_dir, **{k: tuple(v) if isinstance(v, list) else v
+                                                         for k, v in study.drafter_recipe.items()})
+        build_drafters(recipe, study.target, study.drafters, study.work / "drafters")
+    if "eval" in stages:
+        from taps.eval.benchmarks import load_benchmark
+        from taps.eval.commands import load_target_for_eval
+        from taps.eval.runner import run_eval
+
+        questions = [q for name in study.benches
+                     for q in load_benchmark(name, study.data_dir, limit=study.limit, categories=study.categories)]
+        target = load_target_for_eval(str(study.target), study.device, study.dtype)
+        run_eval(target, str(study.target), study.variants, questions, study.results, study.settings,
+                 progress=progress)
+    if "report" in stages:
+        from taps.eval.report import write_report
+
+        write_report(study.results, study.report)
+    return study.report
+
+
+def _embedded(models: str | Path) -> Path:
+    """The embedded default: as given, else (for the default relative path) beside the package's repo."""
+    models = Path(models)
+    if models.is_dir() or models.is_absolute():
+        return models
+    beside_repo = Path(__file__).resolve().parents[3] / models
+    return beside_repo if beside_repo.is_dir() else models
+
+
+def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
+               max_new_tokens: int) -> Study:
+    """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline
+    and the extra merges, on a few questions of each benchmark at temperature 0."""
+    from taps.tiny.drafter_recipe import BACKBONES, DOMAINS
+
+    models = _embedded(models)
+    target, drafters = models / "target", models / "drafters"
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"{target}: no embedded target here; pass --models DIR (with target/ and drafters/)")
+    backbones = [b for b in BACKBONES if all((drafters / f"{b}-{d}" / "model.safetensors").is_file() for d in DOMAINS)]
+    if not backbones:
+        raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
+                                f"build them with `taps tiny build-drafters --target {target} --out {drafters} ...`")
+    config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
+              "backbones": backbones, "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS},
+              "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
+                       "limit": per_bench, "max_new_tokens": max_new_tokens}}
+    return study_from_dict(config, "taps demo", data_dir)

@@ -1,0 +1,159 @@
+"""`taps eval`: every variant decodes every question losslessly, records resume without duplicates,
+mismatched reruns are refused, and a 2-process sharded run writes the same records as one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from taps.config import TreeConfig
+from taps.drafter.checkpoint import write_untrained
+from taps.eval import runner
+from taps.eval.benchmarks import Question
+from taps.eval.records import read_records, record_key
+from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval
+from taps.eval.variants import parse_variant
+from taps.target import Target
+from taps.testing import write_tiny_target
+
+QUESTIONS = [
+    Question("mt_bench", "81", "writing", ("Write a poem about the sea.", "Now make it shorter.")),
+    Question("gsm8k", "0", "math", ("Tom has 3 apples and buys 4 more. How many?",), ("7",)),
+    Question("gsm8k", "1", "math", ("A box holds 12 eggs. How many in 3 boxes?",), ("36",)),
+]
+SETTINGS = EvalSettings(temperatures=(0.0, 1.0), max_new_tokens=12, tree=TreeConfig(12, 3, 3), warmup=False)
+TIMING = {"wall_s", "prefill_s", "draft_s", "target_s", "other_s", "trace_s"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = write_tiny_target(root / "target")
+    a = write_untrained(target_dir, root / "math", seed=1)
+    b = write_untrained(target_dir, root / "chat", seed=2)
+    specs = ["base=baseline", f"math={a}", f"avg=average-0.3:{a},{b}", f"routed=route-confidence-step:{a},{b}",
+             f"turned=route-entropy-turn:{a},{b}", f"merged=merge-trie:{a},{b}", f"budget=merge-budget:{a},{b}"]
+    return target_dir, [parse_variant(s) for s in specs], specs
+
+
+def _strip(records):
+    return sorted(({k: v for k, v in r.items() if k not in TIMING} for r in records), key=record_key)
+
+
+def test_every_variant_every_turn_and_greedy_is_lossless(tmp_path, setup):
+    target_dir, variants, _ = setup
+    target = Target.load(target_dir)
+    written = run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False)
+    assert written == len(QUESTIONS) * 2 * len(variants)
+    records = read_records(tmp_path / "records.jsonl")
+    assert len(records) == (2 + 1 + 1) * 2 * len(variants)  # mt_bench has two turns
+    assert len({record_key(r) for r in records}) == len(records)
+    greedy = {}
+    for r in records:
+        if r["temperature"] == 0.0:
+            greedy.setdefault((r["bench"], r["question_id"], r["turn"]), set()).add(r["output"])
+        assert r["new_tokens"] == 1 + sum(r["emitted"])
+    assert all(len(outputs) == 1 for outputs in greedy.values()), greedy  # every variant == the baseline
+    routed = [r for r in records if r["variant"] == "routed"]
+    assert all(info["route_chosen"] in (0, 1) and len(info["route_scores"]) == 2
+               for r in routed for info in r["step_info"])
+    assert all(r["drafters"] == ["math", "chat"] for r in routed)
+    base = [r for r in records if r["variant"] == "base"]
+    assert all(set(r["accepted"]) <= {0} and r["tree_confidence_mean"] == [None] * len(r["accepted"]) for r in base)
+    merged = [r for r in records if r["variant"] == "merged"]
+    assert all(len(c) == a for r in merged for c, a in zip(r["accepted_confidence"], r["accepted"]))
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["variants"]["avg"]["weights"] == [0.3, 0.7]
+
+
+def test_resume_after_interruption_never_duplicates(tmp_path, setup, monkeypatch):
+    target_dir, variants, _ = setup
+    target = Target.load(target_dir)
+    calls = {"n": 0}
+    real = runner.decode_conversation
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode_conversation", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False)
+    monkeypatch.setattr(runner, "decode_conversation", real)
+    path = tmp_path / "records.jsonl"
+    before = path.read_bytes()
+    assert len(read_records(path)) == 4 * 2  # 4 conversations of the 2-turn question
+    with path.open("ab") as f:
+        f.write(b'{"variant": "base", "bench": "gsm')  # a torn write from the crash
+    written = run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False)
+    assert written == len(QUESTIONS) * 2 * len(variants) - 4
+    after = path.read_bytes()
+    assert after.startswith(before)  # earlier results untouched
+    records = read_records(path)
+    assert len({record_key(r) for r in records}) == len(records) == 4 * 2 * len(variants)
+    assert run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False) == 0
+    assert path.read_bytes() == after
+
+
+def test_rerun_with_other_settings_is_refused(tmp_path, setup):
+    target_dir, variants, _ = setup
+    target = Target.load(target_dir)
+    run_eval(target, str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, SETTINGS, progress=False)
+    other = EvalSettings(temperatures=(0.0,), max_new_tokens=13, tree=SETTINGS.tree, warmup=False)
+    with pytest.raises(ResultsMismatchError, match="max_new_tokens"):
+        run_eval(target, str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, other, progress=False)
+    renamed = parse_variant(f"base={variants[1].drafters[0][1]}")
+    with pytest.raises(ResultsMismatchError, match="variant 'base'"):
+        run_eval(target, str(target_dir), [renamed], QUESTIONS[1:2], tmp_path, SETTINGS, progress=False)
+
+
+def test_malformed_results_line_is_named(tmp_path, setup):
+    target_dir, variants, _ = setup
+    (tmp_path / "records.jsonl").write_text('{"variant": "base"}\nnot json\n')
+    with pytest.raises(ValueError, match="line 1"):
+        run_eval(Target.load(target_dir), str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, SETTINGS,
+                 progress=False)
+
+
+def test_shards_merge_into_the_single_process_records(tmp_path, setup, monkeypatch):
+    """In-process shards (rank 1, then rank 0 of 2) merge to the same records as one process."""
+    target_dir, variants, _ = setup
+    target = Target.load(target_dir)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_eval(target, str(target_dir), variants[:3], QUESTIONS, one, SETTINGS, progress=False)
+    monkeypatch.setattr(runner, "_barrier", lambda: None)
+    run_eval(target, str(target_dir), variants[:3], QUESTIONS, two, SETTINGS, Shard(1, 2), progress=False)
+    assert not (two / "records.jsonl").exists()  # only rank 0 merges
+    run_eval(target, str(target_dir), variants[:3], QUESTIONS, two, SETTINGS, Shard(0, 2), progress=False)
+    assert not list((two / "shards").glob("*.jsonl"))
+    assert _strip(read_records(two / "records.jsonl")) == _strip(read_records(one / "records.jsonl"))
+
+
+def test_two_processes_under_accelerate_match_one(tmp_path, setup):
+    target_dir, _, specs = setup
+    bench = tmp_path / "mini" / "question.jsonl"
+    bench.parent.mkdir()
+    bench.write_text("".join(json.dumps({"question_id": q.question_id + q.bench, "category": q.category,
+                                         "turns": list(q.turns)}) + "\n" for q in QUESTIONS))
+    args = ["eval", "--target", str(target_dir), "--bench", str(bench), "--temperature", "0,1",
+            "--max-new-tokens", "12", "--total-tokens", "12", "--depth", "3", "--top-k", "3", "--no-progress"]
+    for spec in specs[:4]:
+        args += ["--variant", spec]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    one = subprocess.run([sys.executable, "-m", "taps.cli", *args, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "taps.cli"]
+    two = subprocess.run([*launch, *args, "--out", str(tmp_path / "two"), "--device", "cpu"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
+    assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
+                                                                                          "records.jsonl"))

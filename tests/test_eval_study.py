@@ -1,0 +1,123 @@
+"""Study configs: both shipped configs parse and dry-run; templates expand; bad keys are named; a
+toy study runs every stage (target, drafters, eval, report) end to end in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from taps.cli import main
+from taps.eval.metrics import load_results
+from taps.eval.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
+                             study_from_dict)
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the a cat dog sells buys apples pens each day week more less than twice half".split()
+
+
+def test_paper_config_parses_and_dry_runs(capsys):
+    study = load_study(REPO / "configs" / "paper-llama3-8b.yaml")
+    names = [v.name for v in study.variants]
+    for backbone in ("eagle2", "hass"):
+        for suffix in ("math", "chat", "mixed-small", "mixed-large", "averaged", "routed", "merged"):
+            assert f"{backbone}-{suffix}" in names
+    assert names.count("baseline") == 1
+    assert study.drafter_recipe["n_per_domain"] == 70000 and study.drafter_recipe["epochs"] == 20
+    assert study.drafter_recipe["lr"] == pytest.approx(3e-5) and study.drafter_recipe["max_len"] == 2048
+    assert study.settings.temperatures == (0.0, 1.0)
+    tree = study.settings.tree
+    assert (tree.total_tokens, tree.depth, tree.top_k) == (60, 5, 10)
+    assert study.benches == ["mt_bench", "gsm8k", "math500", "svamp"] and study.limit is None
+    routed = next(v for v in study.variants if v.name == "hass-routed")
+    assert routed.strategy == "route" and routed.signal == "confidence" and routed.granularity == "step"
+    assert routed.drafters == (("math", "runs/paper-llama3-8b/drafters/hass-math"),
+                               ("chat", "runs/paper-llama3-8b/drafters/hass-chat"))
+    sweep = [v for v in study.variants if v.name.startswith("eagle2-average-")]
+    assert [v.weights[0] for v in sweep] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9])
+    assert main(["reproduce", str(REPO / "configs" / "paper-llama3-8b.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "MISSING" in out  # the 8B target is not on this machine, and the dry run says so
+    assert "hass-merged: merge" in out
+
+
+def test_tiny_config_parses():
+    study = load_study(REPO / "configs" / "tiny.yaml")
+    assert study.target == Path("models/taps-tiny/target")
+    assert len([v for v in study.variants if v.name.startswith("hass-")]) == 10 + 4  # paper 7 + 3 extra + the 4-lambda sweep
+    assert any("target: models/taps-tiny/target exists" in line for line in plan(study))
+
+
+def test_templates_and_bad_keys():
+    specs = expand_variants({"{backbone}-avg-{lambda}": "average-{lambda}:a={drafters}/{backbone}-a,b=x/b"},
+                            ["eagle2", "hass"], [0.25, 0.75], Path("D"), "cfg")
+    assert [v.name for v in specs] == ["eagle2-avg-0.25", "eagle2-avg-0.75", "hass-avg-0.25", "hass-avg-0.75"]
+    assert specs[1].weights == (0.75, 0.25) and specs[1].drafters[0] == ("a", "D/eagle2-a")
+    base = {"name": "x", "out": "o", "target": {"path": "t"}, "drafters": {"out": "d"}, "variants": PAPER_VARIANTS}
+    study_from_dict(base)
+    with pytest.raises(StudyConfigError, match="unknown key.*evals"):
+        study_from_dict({**base, "evals": {}})
+    with pytest.raises(StudyConfigError, match="eval: unknown key.*temperature"):
+        study_from_dict({**base, "eval": {"temperature": [0]}})
+    with pytest.raises(StudyConfigError, match="drafters.recipe: unknown key.*epoch"):
+        study_from_dict({**base, "drafters": {"out": "d", "recipe": {"epoch": 3}}})
+    with pytest.raises(StudyConfigError, match="missing key 'variants'"):
+        study_from_dict({k: v for k, v in base.items() if k != "variants"})
+    with pytest.raises(StudyConfigError, match="placeholder"):
+        study_from_dict({**base, "variants": {"{backbon}-x": "baseline"}})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    (root / "gsm8k").mkdir()
+    for split, n in (("train", 40), ("test", 4)):
+        with (root / "gsm8k" / f"{split}.jsonl").open("w") as f:
+            for i in range(n):
+                a, b = i + 2, 3 * i + 1
+                f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many?",
+                                    "answer": f"He has {a}+{b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"}) + "\n")
+    convs = [{"id": f"s{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about {WORDS[i % 15]}."},
+        {"from": "gpt", "value": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30))}]} for i in range(40)]
+    (root / "sharegpt.json").write_text(json.dumps(convs))
+    (root / "mt_bench").mkdir()
+    (root / "mt_bench" / "question.jsonl").write_text("".join(
+        json.dumps({"question_id": 81 + i, "category": "writing", "turns": [f"Write about {w}.", "Shorter."]}) + "\n"
+        for i, w in enumerate(WORDS[:3])))
+    return root
+
+
+def test_toy_study_runs_every_stage(tmp_path, data_dir):
+    out = tmp_path / "study"
+    config = {
+        "name": "toy", "out": str(out),
+        "target": {"path": str(out / "target"), "build": dict(
+            chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", vocab_size=300, hidden_size=32, layers=1, heads=2,
+            kv_heads=2, intermediate_size=64, max_positions=256, seq_len=32, batch_size=4, steps=4, warmup=1,
+            eval_every=2, ckpt_every=2, eval_blocks=2, holdout_frac=0.1, tokenizer_chars=100_000)},
+        "drafters": {"out": str(out / "drafters"), "recipe": dict(
+            chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", n_per_domain=6, max_len=48, epochs=1, batch_size=4,
+            warmup_steps=1, backbones=["eagle2"])},
+        "backbones": ["eagle2"], "lambdas": [0.25],
+        "variants": {**PAPER_VARIANTS, "{backbone}-average-{lambda}":
+                     "average-{lambda}:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat"},
+        "eval": {"bench": ["mt_bench", "gsm8k"], "temperatures": [0], "limit": 2, "max_new_tokens": 6,
+                 "tree": {"total_tokens": 8, "depth": 3, "top_k": 2}, "device": "cpu", "dtype": "float32"},
+    }
+    study = study_from_dict(config, "toy", str(data_dir))
+    report = run_study(study, progress=False)
+    assert (out / "target" / "config.json").is_file()
+    assert all((out / "drafters" / f"eagle2-{d}" / "model.safetensors").is_file()
+               for d in ("chat", "math", "mixed-small", "mixed-large"))
+    records = load_results(study.results)
+    assert {r["variant"] for r in records} == {v.name for v in study.variants}
+    assert len(records) == len(study.variants) * (2 * 2 + 2)  # 2 MT-Bench questions x 2 turns + 2 GSM8K
+    greedy = {}
+    for r in records:
+        greedy.setdefault((r["bench"], r["question_id"], r["turn"]), set()).add(r["output"])
+    assert all(len(v) == 1 for v in greedy.values())  # every variant decodes exactly what the baseline does
+    assert (report / "report.md").is_file()
+    assert run_study(study, progress=False) == report  # a rerun resumes: nothing left to do
+    assert len(load_results(study.results)) == len(records)
