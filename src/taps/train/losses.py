@@ -260,8 +260,10 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     b, t = pairs.tokens.shape
     mask = causal_block_mask(t, 0, features.dtype, features.device).expand(b, 1, t, t)  # [B, 1, T-1, T-1]
     predicted = head(pairs.tokens, features, pairs.positions, mask)  # [B, T-1, H]
-    q = target_distribution(head, pairs.targets)  # [B, T-1, V]
-    step = step_terms(predicted, head.logits(predicted), pairs.targets, q, pairs.weight, None)
+    w = pairs.weight  # [B, T-1]: the LM head (the dominant cost at small hidden sizes) runs only where a loss is taken
+    q = target_distribution(head, pairs.targets[w])  # [P, V]
+    picked = predicted[w]  # [P, H]
+    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None)
     return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
 
 
@@ -313,10 +315,12 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     pairs = head_pairs(batch)
     features = add_uniform_noise(pairs.features, cfg.noise_width, generator, noise)  # [B, T-1, H]
     outputs = aligned_outputs(head, pairs.tokens, features, pairs.positions, cfg.steps)
-    q = target_distribution(head, pairs.targets)  # [B, T-1, V]
-    t = torch.arange(pairs.tokens.shape[1], device=features.device)  # [T-1]
+    w = pairs.weight  # [B, T-1]: logits only where step 1 takes a loss; later steps take subsets of those
+    q = target_distribution(head, pairs.targets[w])  # [P, V]
+    targets = pairs.targets[w]  # [P, H]
+    t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
     terms = tuple(
-        step_terms(out, head.logits(out), pairs.targets, q, pairs.weight & (t >= j - 1)[None], cfg.topk)
+        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk)
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
