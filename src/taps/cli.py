@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from taps.cli_args import add_device_arguments, add_tree_arguments
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -32,11 +34,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--total-tokens", type=int, default=60, help="tree budget, root included")
-    p.add_argument("--depth", type=int, default=5, help="draft levels below the root")
-    p.add_argument("--top-k", type=int, default=10, help="tree beam width / branching")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_tree_arguments(p)
+    add_device_arguments(p)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from taps.cli_args import add_device_arguments, add_tree_arguments
+
 
 def _temperatures(text: str) -> tuple[float, ...]:
     try:
@@ -33,11 +35,8 @@ def add_decode_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--total-tokens", type=int, default=60, help="tree budget, root included")
-    p.add_argument("--depth", type=int, default=5, help="draft levels below the root")
-    p.add_argument("--top-k", type=int, default=10, help="tree beam width / branching")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_tree_arguments(p)
+    add_device_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
