@@ -16,7 +16,7 @@ from taps.drafter.checkpoint import write_untrained
 from taps.eval import records as rec_mod
 from taps.eval.benchmarks import Question
 from taps.eval.records import ENTROPY_BINS, check_record
-from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, register, speedup_table,
+from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, register, speedup_overview, speedup_table,
                               table1, table2, terminal_summary, write_report)
 from taps.eval.runner import EvalSettings, run_eval
 from taps.eval.variants import parse_variant
@@ -107,6 +107,8 @@ def test_speedup_and_depth_tables(acceptance_run):
     assert rows[("a_x", "0", "gsm8k")] == [1, 6.0, 3.0] and rows[("a_x", "0", "mt_bench")] == [1, 3.0, 1.0]
     assert rows[("a_x", "0", "Average")] == [2, 4.5, 2.0] and rows[("base", "0", "Average")][2] == 1.0
     assert rows[("a_x", "1", "gsm8k")] == [1, 4.0, 2.0] and ("a_x", "1", "Average") not in rows
+    overview = {(r[0], r[1]): r[2:] for r in speedup_overview(run).rows}  # the terminal's pivot of the same numbers
+    assert overview[("a_x", "0")] == [1.0, 3.0, 2.0, 4.5]
     depth = depth_table(run)
     assert depth.header == ["variant", "T", "alpha_1", "alpha_2", "alpha_3"]  # run.json tree.depth
     assert depth.rows[0] == ["a_x", "0", 1.0, 0.5, 1.0]  # steps accepting 4 and 1
@@ -124,7 +126,7 @@ def test_latex_escaping():
 def test_terminal_summary_and_missing_run_json(acceptance_run, tmp_path):
     text = terminal_summary(acceptance_run)
     assert "Average" in text and all(name in text for name in ("base", "a_x", "b"))
-    assert "speedup" in text and "not comparable across machines" in text
+    assert "Speedup over the baseline" in text and "not comparable across machines" in text
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "records.jsonl").write_text((acceptance_run / "records.jsonl").read_text())
     with pytest.raises(FileNotFoundError, match="run.json is missing.*not made by `taps eval`"):

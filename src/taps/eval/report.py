@@ -304,6 +304,22 @@ def speedup_table(run: Run) -> Table:
     return table
 
 
+def speedup_overview(run: Run) -> Table:
+    """The speedup table pivoted to one row per variant (speedup per benchmark, their mean, and
+    tokens/s averaged over benchmarks): what a terminal has room for."""
+    table = Table("speedup_overview", "Speedup over the baseline (wall clock, same run)",
+                  ["variant", "T", *run.benches, "Average", "tokens/s"], caption=SPEED_NOTE)
+    for t in run.temperatures:
+        table.breaks.append(len(table.rows))
+        for v in run.variants:
+            cells = [run.value(v, b, t, "speedup") for b in [*run.benches, m.AVERAGE]]
+            if any(c is not None for c in cells):
+                table.rows.append([v, _t(t), *cells, run.value(v, m.AVERAGE, t, "tokens_per_second")])
+    if run.baseline is None:
+        table.notes.append("No baseline variant in this run: speedups are missing (add NAME=baseline).")
+    return table
+
+
 # ---- figures -------------------------------------------------------------------------------------
 def _pyplot():
     try:
@@ -482,10 +498,10 @@ def write_report(results_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def terminal_summary(results_dir: str | Path) -> str:
-    """Table 1 and the speedup table as Markdown, for `taps demo` to print."""
+    """Table 1 and the speedup overview as Markdown, for `taps demo` to print."""
     run = load_run(results_dir)
     parts = []
-    for table in (table1(run), speedup_table(run)):
+    for table in (table1(run), speedup_overview(run)):
         parts.append(f"{table.title}\n\n{table.to_markdown()}" + (f"\n{table.caption}\n" if table.caption else ""))
         parts += [f"note: {n}\n" for n in table.notes]
     return "\n".join(parts)

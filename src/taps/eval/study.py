@@ -102,9 +102,12 @@ def expand_variants(templates: dict, backbones: list[str], lambdas: list[float],
                     where: str) -> list[VariantSpec]:
     """Variant templates -> specs: "{backbone}" and "{lambda}" expand over their lists."""
     out: list[VariantSpec] = []
-    for name, spec in templates.items():
-        name = str(name)
-        for backbone in (backbones if "{backbone}" in name else [None]):
+    plain = [(str(n), s) for n, s in templates.items() if "{backbone}" not in str(n)]
+    per_backbone = [(str(n), s) for n, s in templates.items() if "{backbone}" in str(n)]
+    # the variants of one backbone stay together (the paper's tables have a column per backbone)
+    order = [(n, s, None) for n, s in plain] + [(n, s, b) for b in backbones for n, s in per_backbone]
+    for name, spec, backbone_of in order:
+        for backbone in [backbone_of]:
             for lam in (lambdas if "{lambda}" in name else [None]):
                 values = {"backbone": backbone, "lambda": f"{lam:g}" if lam is not None else None,
                           "drafters": str(drafters)}
