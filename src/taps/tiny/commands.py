@@ -42,6 +42,7 @@ def register(sub) -> None:
     d.add_argument("--domains", default="chat,math,mixed-small,mixed-large")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int)
+    d.add_argument("--checkpoint-steps", type=int, default=100, help="also checkpoint every N steps (resume point)")
     d.add_argument("--chat-source", default="sharegpt")
     d.add_argument("--math-source", default="gsm8k:train")
     d.set_defaults(func=_build_drafters)
@@ -126,6 +127,7 @@ def _build_drafters(args) -> int:
     recipe = DrafterRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                            n_per_domain=args.n, max_len=args.max_len, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
+                           checkpoint_steps=args.checkpoint_steps,
                            backbones=tuple(args.backbones.split(",")), domains=tuple(args.domains.split(",")))
     build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work")
     return 0

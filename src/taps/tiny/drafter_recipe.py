@@ -42,6 +42,7 @@ class DrafterRecipe:
     device: str = "cpu"  # the target's device for features and training ("auto" takes a GPU)
     dtype: str = "float32"  # the target's weights
     feature_dtype: str = "fp32"  # stored features: fp32 for exact CPU runs, bf16 at 8B scale
+    checkpoint_steps: int | None = 100  # besides every epoch end, so a killed run loses little
 
 
 def log(msg: str) -> None:
@@ -103,7 +104,8 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
                 log(f"{name}: done, skipped")
                 continue
             cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
-                              warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain)
+                              warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
+                              checkpoint_steps=recipe.checkpoint_steps)
             run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
             trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg)
             if trainer.resume():
