@@ -121,3 +121,23 @@ def test_toy_study_runs_every_stage(tmp_path, data_dir):
     assert (report / "report.md").is_file()
     assert run_study(study, progress=False) == report  # a rerun resumes: nothing left to do
     assert len(load_results(study.results)) == len(records)
+
+
+def test_demo_study_uses_the_shipped_backbones(tmp_path):
+    from taps.drafter.checkpoint import write_untrained
+    from taps.eval.study import demo_study
+    from taps.testing import write_tiny_target
+
+    target = write_tiny_target(tmp_path / "m" / "target")
+    with pytest.raises(FileNotFoundError, match="taps tiny build-drafters"):
+        demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
+    for domain in ("chat", "math", "mixed-small", "mixed-large"):
+        write_untrained(target, tmp_path / "m" / "drafters" / f"hass-{domain}", seed=1)
+    write_untrained(target, tmp_path / "m" / "drafters" / "eagle2-chat", seed=1)  # an incomplete backbone
+    study = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
+    names = [v.name for v in study.variants]
+    assert names[0] == "baseline" and all(n.startswith("hass-") for n in names[1:])
+    assert len(names) == 1 + 7 + 3 + 2  # paper variants, extra merges/routing, two sweep points
+    assert study.limit == 2 and study.settings.temperatures == (0.0,)
+    with pytest.raises(FileNotFoundError, match="no embedded target"):
+        demo_study(tmp_path / "nothing", tmp_path / "out", None, 2, 16)

@@ -44,6 +44,10 @@ EXTRA_VARIANTS = {
     "{backbone}-merged-budget": "merge-budget:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
 }
 
+SWEEP_VARIANTS = {
+    "{backbone}-average-{lambda}": "average-{lambda}:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+}
+
 
 class StudyConfigError(ValueError):
     pass
@@ -262,9 +266,10 @@ def _embedded(models: str | Path) -> Path:
 
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
-               max_new_tokens: int) -> Study:
-    """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline
-    and the extra merges, on a few questions of each benchmark at temperature 0."""
+               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75)) -> Study:
+    """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
+    the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
+    on a few questions of each benchmark at temperature 0."""
     from taps.tiny.drafter_recipe import BACKBONES, DOMAINS
 
     models = _embedded(models)
@@ -276,7 +281,8 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
         raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
                                 f"build them with `taps tiny build-drafters --target {target} --out {drafters} ...`")
     config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
-              "backbones": backbones, "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS},
+              "backbones": backbones, "lambdas": list(lambdas),
+              "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
                        "limit": per_bench, "max_new_tokens": max_new_tokens}}
     return study_from_dict(config, "taps demo", data_dir)
