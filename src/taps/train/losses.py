@@ -217,14 +217,16 @@ def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H]
 
 
 def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
-               topk: int | None) -> StepLoss:
+               topk: int | None, q_top: tuple[Tensor, Tensor] | None = None,
+               q_argmax: Tensor | None = None) -> StepLoss:
     """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
     as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
     (even inf) there cannot leak into the mean.
 
     predicted [B, T, H], logits [B, T, V] head; targets [B, T, H] true next features, q [B, T, V]
     the target's distribution softmax(lm_head(targets)) (computed once, shared by all steps);
-    weight [B, T] bool; topk None means no distillation term.
+    weight [B, T] bool; topk None means no distillation term. q_top (values, indices of q's top-K)
+    and q_argmax depend on q only: HASS computes them once for all its steps.
     """
     count = weight.sum()  # []
     denom = count.clamp(min=1).float()  # []
@@ -238,9 +240,9 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     if topk is None:
         distill = torch.zeros((), device=logits.device)  # []
     else:
-        top_q, top_x = q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K], [B, T, K]
+        top_q, top_x = q_top if q_top is not None else q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K] x2
         distill = mean(-(top_q * logp.gather(-1, top_x)).sum(-1))  # []
-    agree = (logits.argmax(-1) == q.argmax(-1)).float()  # [B, T]
+    agree = (logits.argmax(-1) == (q.argmax(-1) if q_argmax is None else q_argmax)).float()  # [B, T]
     return StepLoss(feature=mean(feature), token=mean(token), distill=distill,
                     top1=mean(agree).detach(), count=count.detach())
 
@@ -319,8 +321,9 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     q = target_distribution(head, pairs.targets[w])  # [P, V]
     targets = pairs.targets[w]  # [P, H]
     t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
+    q_top, q_argmax = q.topk(min(cfg.topk, q.shape[-1]), dim=-1), q.argmax(-1)  # once, for every step
     terms = tuple(
-        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk)
+        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax)
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
