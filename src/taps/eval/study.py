@@ -102,35 +102,40 @@ def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
     return dict(_check_keys(where, mapping, names))
 
 
+def _fill(text: str, values: dict[str, str | None]) -> str:
+    for key, value in values.items():
+        if value is not None:
+            text = text.replace("{" + key + "}", value)
+    return text
+
+
 def expand_variants(templates: dict, backbones: list[str], lambdas: list[float], drafters: Path,
                     where: str) -> list[VariantSpec]:
     """Variant templates -> specs: "{backbone}" and "{lambda}" expand over their lists."""
-    out: list[VariantSpec] = []
-    plain = [(str(n), s) for n, s in templates.items() if "{backbone}" not in str(n)]
+    plain = [(str(n), s, None) for n, s in templates.items() if "{backbone}" not in str(n)]
     per_backbone = [(str(n), s) for n, s in templates.items() if "{backbone}" in str(n)]
     # the variants of one backbone stay together (the paper's tables have a column per backbone)
-    order = [(n, s, None) for n, s in plain] + [(n, s, b) for b in backbones for n, s in per_backbone]
-    for name, spec, backbone_of in order:
-        for backbone in [backbone_of]:
-            for lam in (lambdas if "{lambda}" in name else [None]):
-                values = {"backbone": backbone, "lambda": f"{lam:g}" if lam is not None else None,
-                          "drafters": str(drafters)}
-                def fill(text: str) -> str:
-                    for key, value in values.items():
-                        if value is not None:
-                            text = text.replace("{" + key + "}", value)
-                    return text
-                full = fill(name)
-                entry = fill(spec) if isinstance(spec, str) else {
-                    k: ({m: fill(d) for m, d in v.items()} if k == "drafters" and isinstance(v, dict) else v)
-                    for k, v in spec.items()} if isinstance(spec, dict) else spec
-                if "{" in full or (isinstance(entry, str) and "{" in entry):
-                    raise StudyConfigError(f"{where}: variant {name!r} has a placeholder that is not "
-                                           "{backbone}, {lambda} or {drafters}")
-                try:
-                    out.append(variant_from_config(full, entry, where))
-                except VariantSpecError as err:
-                    raise StudyConfigError(str(err)) from None
+    order = plain + [(n, s, b) for b in backbones for n, s in per_backbone]
+    out: list[VariantSpec] = []
+    for name, spec, backbone in order:
+        for lam in (lambdas if "{lambda}" in name else [None]):
+            values = {"backbone": backbone, "lambda": f"{lam:g}" if lam is not None else None,
+                      "drafters": str(drafters)}
+            full = _fill(name, values)
+            if isinstance(spec, str):
+                entry = _fill(spec, values)
+            elif isinstance(spec, dict):
+                entry = {k: ({m: _fill(str(d), values) for m, d in v.items()}
+                             if k == "drafters" and isinstance(v, dict) else v) for k, v in spec.items()}
+            else:
+                entry = spec
+            if "{" in full or (isinstance(entry, str) and "{" in entry):
+                raise StudyConfigError(f"{where}: variant {name!r} has a placeholder that is not "
+                                       "{backbone}, {lambda} or {drafters}")
+            try:
+                out.append(variant_from_config(full, entry, where))
+            except VariantSpecError as err:
+                raise StudyConfigError(str(err)) from None
     names = [v.name for v in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
