@@ -57,3 +57,31 @@ def test_check_target_and_table_run(tmp_path, target_dir, data_dir):
     md = to_markdown(table)
     assert md.splitlines()[0] == "| drafter | gsm8k T=0.0 | mt_bench T=0.0 | gsm8k T=1.0 | mt_bench T=1.0 |"
     assert len(md.splitlines()) == 4
+
+
+def test_table_grows_and_remeasures_only_changed_drafters(tmp_path, target_dir, data_dir):
+    from taps.tiny.drafter_table import update_table
+
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    info = DrafterInfo(tokenizer_fingerprint=target.fingerprint())
+    heads = {"a": save_head(init_head(target.model.config, seed=0), tmp_path / "a", info)}
+    out, logs = tmp_path / "table", []
+    kw = dict(n=1, temperatures=(0.0,), max_new_tokens=4, log=logs.append)
+    first = update_table(target, heads, data_dir, out, **kw)
+    heads["b"] = save_head(init_head(target.model.config, seed=1), tmp_path / "b", info)
+    logs.clear()
+    second = update_table(target, heads, data_dir, out, **kw)
+    assert second["a"] == first["a"] and set(second) == {"a", "b"}
+    assert [x.split(":")[0] for x in logs if "measured" in x] == ["b"]
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["drafters"] == second and set(saved["weights"]) == {"a", "b"}
+    save_head(init_head(target.model.config, seed=2), tmp_path / "a", info)  # retrained: new weights
+    logs.clear()
+    update_table(target, heads, data_dir, out, **kw)
+    assert [x.split(":")[0] for x in logs if "measured" in x] == ["a"]
+    logs.clear()
+    update_table(target, heads, data_dir, out, **{**kw, "max_new_tokens": 5})  # other settings: all again
+    assert sorted(x.split(":")[0] for x in logs if "measured" in x) == ["a", "b"]
+    out.with_suffix(".json").write_text("{torn")
+    with pytest.raises(ValueError, match="table.json: not valid JSON"):
+        update_table(target, heads, data_dir, out, **kw)

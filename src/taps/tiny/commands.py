@@ -55,7 +55,7 @@ def register(sub) -> None:
     a.add_argument("--n", type=int, default=20, help="questions per benchmark")
     a.add_argument("--temperatures", default="0,1")
     a.add_argument("--max-new-tokens", type=int, default=256)
-    a.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
+    a.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun measures only new or retrained drafters")
     a.set_defaults(func=_drafter_table)
 
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
@@ -91,15 +91,14 @@ def _drafter_table(args) -> int:
     from pathlib import Path
 
     from taps.target import Target
-    from taps.tiny.drafter_table import acceptance_table, to_markdown, write_table
+    from taps.tiny.drafter_table import to_markdown, update_table
 
     temps = tuple(float(x) for x in args.temperatures.split(","))
     drafters = {p.name: p for p in sorted(Path(args.drafters).iterdir()) if (p / "model.safetensors").is_file()}
     if not drafters:
         raise FileNotFoundError(f"{args.drafters}: no drafter directories (<name>/model.safetensors)")
-    table = acceptance_table(Target.load(args.target, device="cpu", dtype="float32"), drafters, _data_dir(args),
-                             args.n, temps, args.max_new_tokens)
-    write_table(table, args.out, temps)
+    table = update_table(Target.load(args.target, device="cpu", dtype="float32"), drafters, _data_dir(args),
+                         args.out, args.n, temps, args.max_new_tokens)
     print(to_markdown(table, temps))
     return 0
 

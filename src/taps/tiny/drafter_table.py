@@ -1,12 +1,18 @@
 """The model card's acceptance table: every shipped drafter on the first n GSM8K-test and n
 MT-Bench (first turn) questions, at temperatures 0 and 1, with the pooled acceptance length
 (new tokens / verifier calls, SPEC §5) of each cell. A small stand-in for the study harness of
-issue 6, kept here so the embedded default documents itself."""
+issue 6, kept here so the embedded default documents itself.
+
+The table is written after every drafter and a rerun measures only the drafters whose weights
+or settings changed, so a table can grow while heads are still training."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from pathlib import Path
+from typing import Callable
 
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import chat_ids, generate
@@ -26,13 +32,18 @@ def bench_prompts(data_dir: str | Path, n: int) -> dict[str, list[str]]:
 
 def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, n: int = 20,
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256,
-                     tree: TreeConfig = TreeConfig(), seed: int = 0) -> dict:
-    """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}"""
+                     tree: TreeConfig = TreeConfig(), seed: int = 0, done: dict | None = None,
+                     on_drafter: Callable[[str, dict], None] | None = None) -> dict:
+    """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}; drafters in
+    `done` are taken from it unmeasured, `on_drafter(name, table)` runs after each measured one."""
     prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
                for b, qs in bench_prompts(data_dir, n).items()}
     stops = target.stop_token_ids()
     table: dict = {}
     for name, path in drafters.items():
+        if done and name in done:
+            table[name] = done[name]
+            continue
         proposer = SingleProposer(load_head(path, target)[0], tree)
         for bench, ids_list in prompts.items():
             for temp in temperatures:
@@ -44,6 +55,61 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
                     new, calls = new + len(result.tokens), calls + result.verifier_calls
                 table.setdefault(name, {}).setdefault(bench, {})[str(temp)] = {
                     "tau": new / calls, "new_tokens": new, "verifier_calls": calls}
+        if on_drafter is not None:
+            on_drafter(name, table)
+    return table
+
+
+def weights_digest(drafter_dir: str | Path) -> str:
+    """sha256 of a drafter's model.safetensors: a retrained head is measured again."""
+    h = hashlib.sha256()
+    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def table_settings(target: Target, n: int, temperatures: tuple[float, ...], max_new_tokens: int, seed: int) -> dict:
+    return {"target_tokenizer": target.fingerprint(), "n": n, "temperatures": list(temperatures),
+            "max_new_tokens": max_new_tokens, "seed": seed}
+
+
+def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, str]) -> dict:
+    """Rows of an earlier OUT.json measured with the same settings and the same weights."""
+    path = Path(previous_json)
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it to measure every drafter again") from None
+    if not isinstance(old, dict) or old.get("settings") != settings:
+        return {}
+    return {name: row for name, row in old.get("drafters", {}).items()
+            if name in digests and old.get("weights", {}).get(name) == digests[name]}
+
+
+def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, out: str | Path, n: int = 20,
+                 temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
+                 log: Callable[[str], None] = print) -> dict:
+    """Measure the drafters not yet in OUT.json (same settings and weights), writing OUT.json and
+    OUT.md after each one; returns the full table."""
+    out = Path(out)
+    settings = table_settings(target, n, temperatures, max_new_tokens, seed)
+    digests = {name: weights_digest(path) for name, path in drafters.items()}
+    done = reusable_rows(out.with_suffix(".json"), settings, digests)
+    if done:
+        log(f"{out.with_suffix('.json')}: reusing {', '.join(sorted(done))}")
+    clock = {"t": time.time()}
+
+    def save(name: str, table: dict) -> None:
+        write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
+        log(f"{name}: measured in {time.time() - clock['t']:.0f} s")
+        clock["t"] = time.time()
+
+    table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
+                             on_drafter=save)
+    write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
     return table
 
 
@@ -56,7 +122,13 @@ def to_markdown(table: dict, temperatures: tuple[float, ...] = (0.0, 1.0)) -> st
     return "\n".join(rows) + "\n"
 
 
-def write_table(table: dict, out: str | Path, temperatures=(0.0, 1.0)) -> None:
+def write_table(table: dict, out: str | Path, temperatures=(0.0, 1.0), settings: dict | None = None,
+                weights: dict | None = None) -> None:
+    """OUT.json ({"settings", "weights", "drafters"}) and OUT.md, each replaced atomically."""
+    from taps.jsonl import write_json_atomic
+
     out = Path(out)
-    out.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(table, temperatures))
+    write_json_atomic(out.with_suffix(".json"), {"settings": settings or {}, "weights": weights or {}, "drafters": table})
+    tmp = out.with_name(out.name + ".md.tmp")
+    tmp.write_text(to_markdown(table, temperatures))
+    tmp.replace(out.with_suffix(".md"))
