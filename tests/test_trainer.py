@@ -83,10 +83,14 @@ def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch
     monkeypatch.setattr(Trainer, "_save", real_save)
     resumed = Trainer(target, features, tmp_path / "cut", config(backbone="hass"))
     assert resumed.resume() and resumed.step == resumed.steps_per_epoch
+    first_run_seconds = resumed.train_seconds
+    assert first_run_seconds > 0 and resumed.timed_from_step == 0  # the cut run's time is carried over
     resumed.fit(progress=False)
     a, b = weights(whole), weights(tmp_path / "cut")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    _, info = load_head(tmp_path / "cut", target)
+    assert info.extra["train_seconds"] >= round(first_run_seconds, 1) and info.extra["timed_from_step"] == 0
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, target, features, monkeypatch):

@@ -118,7 +118,8 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
             epochs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
             summary.setdefault("drafters", {})[name] = {
                 "records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
-                "wall_time_s_last_run": round(time.time() - t0, 1), "final": epochs[-1] if epochs else {}}
+                "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
+                "timed_from_step": trainer.timed_from_step, "final": epochs[-1] if epochs else {}}
             out.mkdir(parents=True, exist_ok=True)
             summary_path.write_text(json.dumps(summary, indent=2) + "\n")
             log(f"{name}: {summary['drafters'][name]['final']}")

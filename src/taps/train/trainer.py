@@ -122,6 +122,9 @@ class Trainer:
         self.head.bind(target.embed_tokens, target.lm_head)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
+        # wall time of fit() summed over resumed runs, and the step it was first counted from
+        # (checkpoints older than this field resume with what they had not recorded missing)
+        self.train_seconds, self.timed_from_step = 0.0, 0
 
     # ---- data -----------------------------------------------------------------------------------
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -170,7 +173,8 @@ class Trainer:
                            target_name=str(getattr(self.target.config, "_name_or_path", "")),
                            tokenizer_fingerprint=self.target.fingerprint(),
                            extra={"train_config": asdict(self.cfg), "steps": self.step,
-                                  "features": self.shards.description})
+                                  "features": self.shards.description,
+                                  "train_seconds": round(self.train_seconds, 1), "timed_from_step": self.timed_from_step})
 
     def resume(self) -> bool:
         ckpt = latest_checkpoint(self.out / "ckpt")
@@ -178,6 +182,8 @@ class Trainer:
             return False
         state = load_checkpoint(ckpt, self.head, self.optimizer)
         self.step = int(state["step"])
+        self.train_seconds = float(state["extra"].get("train_seconds", 0.0))
+        self.timed_from_step = int(state["extra"].get("timed_from_step", self.step if "train_seconds" not in state["extra"] else 0))
         if state["extra"].get("global_batch") != self.global_batch:
             raise TrainingError(f"{ckpt}: saved with global batch {state['extra'].get('global_batch')}, this run "
                                 f"has {self.global_batch}; resume with the same batch layout")
@@ -186,7 +192,8 @@ class Trainer:
     def _save(self, metrics: dict) -> None:
         if self.acc.is_main_process:
             save_checkpoint(self.out / "ckpt", self.step, self.head, self.optimizer,
-                            extra={"global_batch": self.global_batch, "metrics": metrics})
+                            extra={"global_batch": self.global_batch, "metrics": metrics,
+                                   "train_seconds": self.train_seconds, "timed_from_step": self.timed_from_step})
             save_head(self.head, self.out / "ckpt" / f"step-{self.step:06d}" / "head", self.info())
         self.acc.wait_for_everyone()
 
@@ -220,6 +227,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and self.acc.is_main_process),
                    desc=f"train {self.cfg.backbone}", unit="step", dynamic_ncols=True)
         window_t, window_tokens, last = time.time(), 0, {}
+        clock = time.time()
         self.head.train()
         while self.step < self.total_steps:
             micro, totals = self._micro_batches(self.step)
@@ -245,6 +253,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            now = time.time()
+            self.train_seconds, clock = self.train_seconds + now - clock, now
             loss = float(self.acc.reduce(step_loss, reduction="sum"))
             bar.update(1)
             if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
