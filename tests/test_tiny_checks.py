@@ -66,7 +66,7 @@ def test_table_grows_and_remeasures_only_changed_drafters(tmp_path, target_dir, 
     info = DrafterInfo(tokenizer_fingerprint=target.fingerprint())
     heads = {"a": save_head(init_head(target.model.config, seed=0), tmp_path / "a", info)}
     out, logs = tmp_path / "table", []
-    kw = dict(n=1, temperatures=(0.0,), max_new_tokens=4, log=logs.append)
+    kw = dict(n=1, temperatures=(0.0,), max_new_tokens=4, log=logs.append, progress=False)
     first = update_table(target, heads, data_dir, out, **kw)
     heads["b"] = save_head(init_head(target.model.config, seed=1), tmp_path / "b", info)
     logs.clear()

@@ -33,17 +33,23 @@ def bench_prompts(data_dir: str | Path, n: int) -> dict[str, list[str]]:
 def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, n: int = 20,
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256,
                      tree: TreeConfig = TreeConfig(), seed: int = 0, done: dict | None = None,
-                     on_drafter: Callable[[str, dict], None] | None = None) -> dict:
+                     on_drafter: Callable[[str, dict], None] | None = None, progress: bool = False) -> dict:
     """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}; drafters in
     `done` are taken from it unmeasured, `on_drafter(name, table)` runs after each measured one."""
     prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
                for b, qs in bench_prompts(data_dir, n).items()}
+    from tqdm.auto import tqdm
+
     stops = target.stop_token_ids()
     table: dict = {}
+    todo = [name for name in drafters if not (done and name in done)]
+    bar = tqdm(total=len(todo) * sum(map(len, prompts.values())) * len(temperatures), desc="drafter table",
+               unit="answer", dynamic_ncols=True, disable=not progress)
     for name, path in drafters.items():
         if done and name in done:
             table[name] = done[name]
             continue
+        bar.set_postfix_str(name)
         proposer = SingleProposer(load_head(path, target)[0], tree)
         for bench, ids_list in prompts.items():
             for temp in temperatures:
@@ -53,10 +59,12 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
                                        stop_token_ids=stops, seed=seed + i)
                     result = generate(target, proposer, ids, cfg)
                     new, calls = new + len(result.tokens), calls + result.verifier_calls
+                    bar.update(1)
                 table.setdefault(name, {}).setdefault(bench, {})[str(temp)] = {
                     "tau": new / calls, "new_tokens": new, "verifier_calls": calls}
         if on_drafter is not None:
             on_drafter(name, table)
+    bar.close()
     return table
 
 
@@ -91,7 +99,7 @@ def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, 
 
 def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, out: str | Path, n: int = 20,
                  temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Measure the drafters not yet in OUT.json (same settings and weights), writing OUT.json and
     OUT.md after each one; returns the full table."""
     out = Path(out)
@@ -108,7 +116,7 @@ def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path
         clock["t"] = time.time()
 
     table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
-                             on_drafter=save)
+                             on_drafter=save, progress=progress)
     write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
     return table
 
