@@ -114,6 +114,37 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
     assert again["drafters"] == summary["drafters"]
 
 
+def test_heads_balanced_over_jobs():
+    from taps.tiny.drafter_recipe import balanced_queues, head_costs
+
+    costs = head_costs({"chat": 900, "math": 300})
+    assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
+    heads = list(costs)
+    queues = balanced_queues(heads, costs, 2)
+    assert sorted(h for q in queues for h in q) == sorted(heads)
+    loads = [sum(costs[h] for h in q) for q in queues]
+    assert max(loads) - min(loads) <= min(costs.values())  # LPT: within the smallest head
+    assert queues[0][0] == ("hass", "mixed-large")  # longest first
+    assert len(balanced_queues(heads[:1], costs, 4)) == 1  # no idle workers
+
+
+def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):
+    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1, threads=1,
+                           backbones=("eagle2",), domains=("chat", "math", "mixed-small"))
+    one = build_drafters(recipe, target_dir, tmp_path / "one", tmp_path / "w1")
+    two = build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
+    assert set(two["drafters"]) == set(one["drafters"]) == {"eagle2-chat", "eagle2-math", "eagle2-mixed-small"}
+    for name in one["drafters"]:
+        a, b = load_file(tmp_path / "one" / name / "model.safetensors"), load_file(tmp_path / "two" / name / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    (tmp_path / "two" / "drafters.json").write_text("{")
+    with pytest.raises(ValueError, match="drafters.json: not valid JSON"):
+        build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
+
+
 def test_domain_split_of_each_batch():
     from taps.tiny.target_recipe import sequences_per_domain
 

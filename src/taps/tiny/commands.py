@@ -41,7 +41,9 @@ def register(sub) -> None:
     d.add_argument("--backbones", default="eagle2,hass")
     d.add_argument("--domains", default="chat,math,mixed-small,mixed-large")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int)
+    d.add_argument("--threads", type=int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
+    d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes "
+                                                       "balanced by cost (on a CPU: one per core)")
     d.add_argument("--checkpoint-steps", type=int, default=100, help="also checkpoint every N steps (resume point)")
     d.add_argument("--chat-source", default="sharegpt")
     d.add_argument("--math-source", default="gsm8k:train")
@@ -128,5 +130,5 @@ def _build_drafters(args) -> int:
                            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
                            checkpoint_steps=args.checkpoint_steps,
                            backbones=tuple(args.backbones.split(",")), domains=tuple(args.domains.split(",")))
-    build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work")
+    build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work", jobs=args.jobs)
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,12 +72,152 @@ def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
             "mixed-large": [str(features["chat"]), str(features["math"])]}[domain]
 
 
-def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Path, work: str | Path) -> dict:
+HASS_COST = 3.0  # HASS's three aligned steps cost ~3x EAGLE-2 per token (bench/train_speed.py)
+
+
+def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
+    """Relative training cost of every (backbone, domain) head from the domains' feature tokens,
+    for balancing heads over worker processes."""
+    chat, math = tokens["chat"], tokens["math"]
+    per_domain = {"chat": chat, "math": math, "mixed-small": (chat + math) / 2, "mixed-large": chat + math}
+    return {(b, d): per_domain[d] * (HASS_COST if b == "hass" else 1.0) for b in BACKBONES for d in DOMAINS}
+
+
+def balanced_queues(heads: list[tuple[str, str]], costs: dict[tuple[str, str], float], jobs: int) -> list[list]:
+    """Longest job first onto the least loaded queue (LPT): no queue ends far after the others."""
+    queues: list[list] = [[] for _ in range(min(jobs, len(heads)))]
+    loads = [0.0] * len(queues)
+    for head in sorted(heads, key=lambda h: -costs[h]):
+        i = loads.index(min(loads))
+        queues[i].append(head)
+        loads[i] += costs[head]
+    return queues
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on PATH, so worker processes update drafters.json one at a time."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_summary(out: Path) -> dict:
+    path = out / "drafters.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or delete it (the heads themselves are kept)") from None
+
+
+def _is_done(out: Path, name: str) -> bool:
+    return (out / name / "model.safetensors").is_file() and name in _read_summary(out).get("drafters", {})
+
+
+def _record(out: Path, recipe: DrafterRecipe, name: str | None = None, entry: dict | None = None) -> dict:
+    from taps.jsonl import write_json_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / "drafters.json.lock"):
+        summary = _read_summary(out)
+        summary["recipe"] = asdict(recipe)
+        if name is not None:
+            summary.setdefault("drafters", {})[name] = entry
+        write_json_atomic(out / "drafters.json", summary)
+    return summary
+
+
+def _features(recipe: DrafterRecipe, target, work: Path) -> tuple[dict[str, Path], dict[str, int]]:
+    """Data and features of both domains (skipped when done): their directories and token counts."""
+    from taps.data.features import FeatureSettings, extract_features
+
+    features, tokens = {}, {}
+    for domain, path in _domain_data(recipe, work).items():
+        features[domain] = work / f"features-{domain}"
+        manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
+        tokens[domain] = int(manifest["tokens"])
+        log(f"features {domain}: {manifest['records_done']} records, {manifest['tokens']:,} tokens, "
+            f"{manifest['assistant_tokens']:,} assistant tokens")
+    return features, tokens
+
+
+def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: Path, work: Path, backbone: str,
+                domain: str, progress: bool = True) -> None:
+    from taps.train.trainer import TrainConfig, Trainer
+
+    name = f"{backbone}-{domain}"
+    cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
+                      warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
+                      checkpoint_steps=recipe.checkpoint_steps)
+    run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
+    trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg)
+    if trainer.resume():
+        log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
+    else:
+        log(f"{name}: training, {trainer.total_steps} steps")
+    t0 = time.time()
+    trainer.fit(progress=progress)
+    head_dir = out / name
+    head_dir.mkdir(parents=True, exist_ok=True)
+    for file in ("config.json", "model.safetensors", "metrics.jsonl"):  # the shipped drafter: no optimizer
+        shutil.copyfile(run_dir / file, head_dir / file)
+    epochs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
+    entry = {"records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
+             "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
+             "timed_from_step": trainer.timed_from_step, "final": epochs[-1] if epochs else {}}
+    _record(out, recipe, name, entry)
+    log(f"{name}: {entry['final']}")
+
+
+def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, heads: list, threads: int) -> None:
+    """One process of `--jobs N`: trains its queue of heads in order, with its share of the cores."""
     import torch
 
-    from taps.data.features import FeatureSettings, extract_features
     from taps.target import Target
-    from taps.train.trainer import TrainConfig, Trainer
+
+    torch.set_num_threads(threads)
+    target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
+    features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}
+    for backbone, domain in heads:
+        _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
+
+
+def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, queues: list[list]) -> None:
+    import multiprocessing
+    import os
+
+    threads = recipe.threads or max(1, (os.cpu_count() or 1) // len(queues))
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
+    procs = []
+    for i, queue in enumerate(queues):
+        log(f"worker {i}: {', '.join(f'{b}-{d}' for b, d in queue)} ({threads} thread(s))")
+        proc = ctx.Process(target=_worker, args=(recipe, str(target_dir), str(out), str(work), queue, threads))
+        proc.start()
+        procs.append((proc, queue))
+    failed = []
+    for proc, queue in procs:
+        proc.join()
+        if proc.exitcode != 0:
+            failed += [f"{b}-{d}" for b, d in queue if not _is_done(out, f"{b}-{d}")]
+    if failed:
+        raise RuntimeError(f"drafter training failed for {', '.join(failed)} (see the worker's traceback above); "
+                           f"rerun the same command to resume from the last checkpoints")
+
+
+def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Path, work: str | Path,
+                   jobs: int = 1) -> dict:
+    """Train every (backbone, domain) head not yet in OUT; `jobs` > 1 trains them in that many
+    processes at once, balanced by cost (on a CPU one thread each beats two threads per head)."""
+    import torch
+
+    from taps.target import Target
 
     out, work = Path(out), Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -85,42 +226,21 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     unknown = set(recipe.domains) - set(DOMAINS) | set(recipe.backbones) - set(BACKBONES)
     if unknown:
         raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
-    data = _domain_data(recipe, work)
-    features = {}
-    for domain, path in data.items():
-        features[domain] = work / f"features-{domain}"
-        manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
-        log(f"features {domain}: {manifest['records_done']} records, {manifest['tokens']:,} tokens, "
-            f"{manifest['assistant_tokens']:,} assistant tokens")
-    summary_path = out / "drafters.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary["recipe"] = asdict(recipe)
+    features, tokens = _features(recipe, target, work)
+    pending = []
     for backbone in recipe.backbones:
         for domain in recipe.domains:
-            name = f"{backbone}-{domain}"
-            head_dir = out / name
-            if (head_dir / "model.safetensors").is_file() and name in summary.get("drafters", {}):
-                log(f"{name}: done, skipped")
-                continue
-            cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
-                              warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
-                              checkpoint_steps=recipe.checkpoint_steps)
-            run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
-            trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg)
-            if trainer.resume():
-                log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
-            t0 = time.time()
-            trainer.fit()
-            head_dir.mkdir(parents=True, exist_ok=True)
-            for file in ("config.json", "model.safetensors", "metrics.jsonl"):  # the shipped drafter: no optimizer
-                shutil.copyfile(run_dir / file, head_dir / file)
-            epochs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
-            summary.setdefault("drafters", {})[name] = {
-                "records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
-                "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
-                "timed_from_step": trainer.timed_from_step, "final": epochs[-1] if epochs else {}}
-            out.mkdir(parents=True, exist_ok=True)
-            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-            log(f"{name}: {summary['drafters'][name]['final']}")
-    return summary
+            if _is_done(out, f"{backbone}-{domain}"):
+                log(f"{backbone}-{domain}: done, skipped")
+            else:
+                pending.append((backbone, domain))
+    if jobs > 1 and len(pending) > 1:
+        del target
+        _run_workers(recipe, target_dir, out, work, balanced_queues(pending, head_costs(tokens), jobs))
+    else:
+        for backbone, domain in pending:
+            _train_head(recipe, target, features, out, work, backbone, domain)
+    return _record(out, recipe)
