@@ -47,6 +47,7 @@ def test_tiny_config_parses():
     assert study.target == Path("models/taps-tiny/target")
     assert len([v for v in study.variants if v.name.startswith("hass-")]) == 10 + 4  # paper 7 + 3 extra + the 4-lambda sweep
     assert any("target: models/taps-tiny/target exists" in line for line in plan(study))
+    assert study.drafter_jobs == 2 and study.drafter_recipe["epochs"] == 4  # the shipped heads' recipe
 
 
 def test_templates_and_bad_keys():
@@ -62,6 +63,8 @@ def test_templates_and_bad_keys():
         study_from_dict({**base, "eval": {"temperature": [0]}})
     with pytest.raises(StudyConfigError, match="drafters.recipe: unknown key.*epoch"):
         study_from_dict({**base, "drafters": {"out": "d", "recipe": {"epoch": 3}}})
+    with pytest.raises(StudyConfigError, match="drafters.jobs must be an integer >= 1, got 0"):
+        study_from_dict({**base, "drafters": {"out": "d", "jobs": 0}})
     with pytest.raises(StudyConfigError, match="missing key 'variants'"):
         study_from_dict({k: v for k, v in base.items() if k != "variants"})
     with pytest.raises(StudyConfigError, match="placeholder"):

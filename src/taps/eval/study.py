@@ -65,6 +65,7 @@ class Study:
     data_dir: str | None = None
     target_build: dict | None = None  # TargetRecipe fields
     drafter_recipe: dict | None = None  # DrafterRecipe fields
+    drafter_jobs: int = 1  # heads trained at once (taps tiny build-drafters --jobs)
     limit: int | None = None
     categories: list[str] | None = None
     device: str = "auto"
@@ -153,7 +154,10 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
         if key not in top:
             raise StudyConfigError(f"{source}: missing key {key!r}")
     target = _check_keys(f"{source}: target", top["target"], {"path", "build"})
-    drafters = _check_keys(f"{source}: drafters", top["drafters"], {"out", "recipe"})
+    drafters = _check_keys(f"{source}: drafters", top["drafters"], {"out", "recipe", "jobs"})
+    jobs = drafters.get("jobs", 1)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise StudyConfigError(f"{source}: drafters.jobs must be an integer >= 1, got {jobs!r}")
     if "path" not in target or "out" not in drafters:
         raise StudyConfigError(f"{source}: target.path and drafters.out are required")
     ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
@@ -179,6 +183,7 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
                  target_build=_recipe_fields(f"{source}: target.build", target.get("build"), TargetRecipe),
                  drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
+                 drafter_jobs=jobs,
                  limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
                  dtype=str(ev.get("dtype", "auto")), source=source)
 
@@ -243,7 +248,7 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
 
         recipe = DrafterRecipe(data_dir=study.data_dir, **{k: tuple(v) if isinstance(v, list) else v
                                                          for k, v in study.drafter_recipe.items()})
-        build_drafters(recipe, study.target, study.drafters, study.work / "drafters")
+        build_drafters(recipe, study.target, study.drafters, study.work / "drafters", jobs=study.drafter_jobs)
     if "eval" in stages:
         from taps.eval.benchmarks import load_benchmark
         from taps.eval.commands import load_target_for_eval
