@@ -48,7 +48,8 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g)  # [B, T]
     batch = TrainBatch(input_ids=ids, hidden=target.encode(ids).float().clone(), loss_mask=torch.ones_like(ids),
                        lengths=torch.full((args.batch,), args.seq_len))
-    runs = {"eagle2": (eagle2_loss, Eagle2Config()), "hass": (hass_loss, HassConfig(steps=args.hass_steps))}
+    # as the trainer runs them: no top-1 metric on training steps
+    runs = {"eagle2": (eagle2_loss, Eagle2Config(top1=False)), "hass": (hass_loss, HassConfig(steps=args.hass_steps, top1=False))}
     heads_by = {name: init_head(model.config, seed=0).bind(target.embed_tokens, target.lm_head) for name in runs}
     optims = {name: torch.optim.AdamW(h.parameters(), lr=1e-4) for name, h in heads_by.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}

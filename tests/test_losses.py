@@ -304,3 +304,18 @@ def test_config_validation():
         Eagle2Config(noise_width=-1.0)
     with pytest.raises(ValueError):
         TrainBatch(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 4), torch.zeros(1, 3), torch.tensor([4]))
+
+
+@pytest.mark.parametrize("loss_fn, cfg", [(eagle2_loss, Eagle2Config()), (hass_loss, HassConfig())])
+def test_skipping_the_top1_metric_changes_no_loss_or_gradient(target, batch, loss_fn, cfg):
+    head = make_head(target)
+
+    def run(top1: bool):
+        head.zero_grad(set_to_none=True)
+        out = loss_fn(head, batch, replace(cfg, top1=top1), torch.Generator().manual_seed(3))
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in head.named_parameters()}
+
+    (on, grads_on), (off, grads_off) = run(True), run(False)
+    assert torch.equal(on.loss, off.loss) and all(torch.equal(grads_on[n], grads_off[n]) for n in grads_on)
+    assert all(0.0 <= float(s.top1) <= 1.0 for s in on.steps) and all(torch.isnan(s.top1) for s in off.steps)

@@ -124,11 +124,15 @@ class Eagle2Config:
     512 / seq_len: width 0.2 at 512 tokens, wider for shorter sequences. The project keeps the
     width fixed (default 0.2, the reference's at 512 tokens) so it does not depend on length.
     Set 0 for evaluation; inference never calls these losses.
+
+    top1: compute the top-1 agreement metric (an argmax over the vocabulary per step, ~9% of a
+    HASS step on a CPU); training steps skip it (NaN), evaluation needs it. The loss is the same.
     """
 
     feature_weight: float = 1.0
     token_weight: float = 0.1
     noise_width: float = 0.2
+    top1: bool = True
 
     def __post_init__(self) -> None:
         for name in ("feature_weight", "token_weight", "noise_width"):
@@ -218,7 +222,7 @@ def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H]
 
 def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
                topk: int | None, q_top: tuple[Tensor, Tensor] | None = None,
-               q_argmax: Tensor | None = None) -> StepLoss:
+               q_argmax: Tensor | None = None, top1: bool = True) -> StepLoss:
     """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
     as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
     (even inf) there cannot leak into the mean.
@@ -226,7 +230,8 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     predicted [B, T, H], logits [B, T, V] head; targets [B, T, H] true next features, q [B, T, V]
     the target's distribution softmax(lm_head(targets)) (computed once, shared by all steps);
     weight [B, T] bool; topk None means no distillation term. q_top (values, indices of q's top-K)
-    and q_argmax depend on q only: HASS computes them once for all its steps.
+    and q_argmax depend on q only: HASS computes them once for all its steps. top1=False leaves
+    the agreement metric NaN (it does not enter the loss).
     """
     count = weight.sum()  # []
     denom = count.clamp(min=1).float()  # []
@@ -242,9 +247,11 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     else:
         top_q, top_x = q_top if q_top is not None else q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K] x2
         distill = mean(-(top_q * logp.gather(-1, top_x)).sum(-1))  # []
-    agree = (logits.argmax(-1) == (q.argmax(-1) if q_argmax is None else q_argmax)).float()  # [B, T]
-    return StepLoss(feature=mean(feature), token=mean(token), distill=distill,
-                    top1=mean(agree).detach(), count=count.detach())
+    if top1:
+        agree = mean((logits.argmax(-1) == (q.argmax(-1) if q_argmax is None else q_argmax)).float()).detach()  # []
+    else:
+        agree = torch.full((), float("nan"), device=logits.device)  # []
+    return StepLoss(feature=mean(feature), token=mean(token), distill=distill, top1=agree, count=count.detach())
 
 
 def _weighted(step: StepLoss, cfg: Eagle2Config, topk_weight: float) -> Tensor:  # []
@@ -265,7 +272,7 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     w = pairs.weight  # [B, T-1]: the LM head (the dominant cost at small hidden sizes) runs only where a loss is taken
     q = target_distribution(head, pairs.targets[w])  # [P, V]
     picked = predicted[w]  # [P, H]
-    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None)
+    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None, top1=cfg.top1)
     return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
 
 
@@ -321,9 +328,10 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     q = target_distribution(head, pairs.targets[w])  # [P, V]
     targets = pairs.targets[w]  # [P, H]
     t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
-    q_top, q_argmax = q.topk(min(cfg.topk, q.shape[-1]), dim=-1), q.argmax(-1)  # once, for every step
+    q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step
+    q_argmax = q.argmax(-1) if cfg.top1 else None  # [P]
     terms = tuple(
-        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax)
+        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax, cfg.top1)
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)

@@ -65,13 +65,14 @@ class TrainConfig:
 
     def loss_config(self, noise: bool = True, depths: int | None = None):
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
-        top-1 agreement at depths 1..depths, whatever the backbone)."""
-        width = self.noise_width if noise else 0.0
+        top-1 agreement at depths 1..depths, whatever the backbone). Training (noise on) skips the
+        top-1 metric, evaluation (noise off) computes it."""
+        width, top1 = (self.noise_width, False) if noise else (0.0, True)
         if self.backbone == "hass":
-            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths or self.hass_steps)
+            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths or self.hass_steps, top1=top1)
         if depths:
-            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths, topk_weight=0.0)
-        return Eagle2Config(noise_width=width)
+            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths, topk_weight=0.0, top1=top1)
+        return Eagle2Config(noise_width=width, top1=top1)
 
     @property
     def loss_steps(self) -> int:
