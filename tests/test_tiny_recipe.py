@@ -114,6 +114,16 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
     assert again["drafters"] == summary["drafters"]
 
 
+def test_target_recipe_device_and_mixed_precision(tmp_path, data_dir):
+    out = build_target(toy(data_dir, device="auto", mixed_precision="bf16", steps=3), tmp_path / "out", tmp_path / "work")
+    done = json.loads((out / "recipe.json").read_text())
+    assert done["steps_done"] == 3 and all(0 < v < 20 for v in done["heldout"].values())
+    assert Target.load(out, device="cpu", dtype="float32").model.dtype == torch.float32  # loads like any target
+    with pytest.raises(ValueError, match="mixed_precision 'fp8'"):
+        build_target(toy(data_dir, mixed_precision="fp8"), tmp_path / "o2", tmp_path / "w2")
+    assert not (tmp_path / "w2" / "tokenizer").exists()  # refused before any work
+
+
 def test_heads_balanced_over_jobs():
     from taps.tiny.drafter_recipe import balanced_queues, head_costs
 

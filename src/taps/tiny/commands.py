@@ -23,6 +23,12 @@ def register(sub) -> None:
                                        "its data blocks are not repeated)")
     b.add_argument("--lr", type=float, default=2e-3)
     b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (a GPU when there is one)")
+    b.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast (GPUs)")
+    b.add_argument("--hidden-size", type=int, default=256)
+    b.add_argument("--layers", type=int, default=6)
+    b.add_argument("--heads", type=int, default=4, help="attention heads (as many key/value heads)")
+    b.add_argument("--intermediate-size", type=int, default=704)
     b.add_argument("--chat-source", default="sharegpt", help="source spec of the chat domain")
     b.add_argument("--math-source", default="gsm8k:train", help="source spec of the math domain")
     b.set_defaults(func=_build_target)
@@ -42,6 +48,8 @@ def register(sub) -> None:
     d.add_argument("--domains", default="chat,math,mixed-small,mixed-large")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
+    d.add_argument("--device", default="cpu", help="where the target and the heads run: cpu, cuda or auto")
+    d.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast for the heads (GPUs)")
     d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes "
                                                        "balanced by cost (on a CPU: one per core)")
     d.add_argument("--checkpoint-steps", type=int, default=100, help="also checkpoint every N steps (resume point)")
@@ -75,7 +83,9 @@ def _build_target(args) -> int:
     recipe = TargetRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                           seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                           math_share=args.math_share, init_from=args.init_from,
-                          lr=args.lr, minutes=args.minutes, threads=args.threads)
+                          lr=args.lr, minutes=args.minutes, threads=args.threads, device=args.device,
+                          mixed_precision=args.mixed_precision, hidden_size=args.hidden_size, layers=args.layers,
+                          heads=args.heads, kv_heads=args.heads, intermediate_size=args.intermediate_size)
     build_target(recipe, args.out, args.work or f"{args.out.rstrip('/')}.work")
     return 0
 
@@ -128,7 +138,8 @@ def _build_drafters(args) -> int:
     recipe = DrafterRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                            n_per_domain=args.n, max_len=args.max_len, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
-                           checkpoint_steps=args.checkpoint_steps,
+                           checkpoint_steps=args.checkpoint_steps, device=args.device,
+                           mixed_precision=args.mixed_precision,
                            backbones=tuple(args.backbones.split(",")), domains=tuple(args.domains.split(",")))
     build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work", jobs=args.jobs)
     return 0

@@ -43,6 +43,7 @@ class DrafterRecipe:
     device: str = "cpu"  # the target's device for features and training ("auto" takes a GPU)
     dtype: str = "float32"  # the target's weights
     feature_dtype: str = "fp32"  # stored features: fp32 for exact CPU runs, bf16 at 8B scale
+    mixed_precision: str = "no"  # the heads' training: "bf16" autocast on GPUs
     checkpoint_steps: int | None = 100  # besides every epoch end, so a killed run loses little
 
 
@@ -150,14 +151,18 @@ def _features(recipe: DrafterRecipe, target, work: Path) -> tuple[dict[str, Path
 
 def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: Path, work: Path, backbone: str,
                 domain: str, progress: bool = True) -> None:
+    from accelerate import Accelerator
+
     from taps.train.trainer import TrainConfig, Trainer
 
     name = f"{backbone}-{domain}"
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
                       warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
-                      checkpoint_steps=recipe.checkpoint_steps)
+                      checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
-    trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg)
+    # the heads train where the target is (accelerate would otherwise take a GPU for them)
+    acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=target.device.type == "cpu")
+    trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
     if trainer.resume():
         log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
     else:

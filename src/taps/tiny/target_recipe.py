@@ -63,6 +63,8 @@ class TargetRecipe:
     limit_per_domain: int | None = None  # toy runs
     init_from: str | None = None  # continue training a target built by this recipe (its tokenizer, weights, split)
     threads: int | None = None
+    device: str = "cpu"  # "auto": a GPU when there is one
+    mixed_precision: str = "no"  # "bf16": autocast the forward (GPUs); weights and optimizer stay fp32
     extra: dict = field(default_factory=dict)
 
 
@@ -184,13 +186,30 @@ def learning_rate(recipe: TargetRecipe, step: int) -> float:
     return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch build sees no GPU; use --device cpu or auto")
+    return device
+
+
+def autocast(device: torch.device, mixed_precision: str):
+    if mixed_precision not in ("no", "bf16"):
+        raise ValueError(f"mixed_precision {mixed_precision!r}: expected 'no' or 'bf16'")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+
+
 @torch.no_grad()
-def heldout_loss(model, stream: BlockStream, blocks: int, batch: int = 8) -> float:
+def heldout_loss(model, stream: BlockStream, blocks: int, batch: int = 8, mixed_precision: str = "no") -> float:
     model.eval()
+    device = next(model.parameters()).device
     losses = []
     for start in range(0, min(blocks, len(stream)), batch):
-        x = stream.blocks[start:start + min(batch, blocks - start)]
-        losses.append(float(model(input_ids=x, labels=x).loss) * x.shape[0])
+        x = stream.blocks[start:start + min(batch, blocks - start)].to(device)
+        with autocast(device, mixed_precision):
+            losses.append(float(model(input_ids=x, labels=x).loss) * x.shape[0])
     model.train()
     return sum(losses) / min(blocks, len(stream))
 
@@ -231,13 +250,15 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     per_domain = sequences_per_domain(recipe)
+    device = resolve_device(recipe.device)
+    autocast(device, recipe.mixed_precision)  # checks the setting before any work
     prior = prior_run(recipe)  # checked before any work: --init-from must be a target this recipe built
     tokenizer, tokens = prepare(recipe, work)
     train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i) for i, d in enumerate(DOMAINS)}
     offset = prior.get("blocks_seen", {d: 0 for d in DOMAINS})  # a continued run takes the blocks after the last run's
     heldout = {d: BlockStream(tokens[(d, "heldout")], recipe.seq_len, 0) for d in DOMAINS}
 
-    model = build_model(recipe, tokenizer)
+    model = build_model(recipe, tokenizer).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
@@ -250,7 +271,8 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
         log(f"resumed from {ckpt} at step {step}")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters; training {recipe.steps} steps of "
-        f"{recipe.batch_size} x {recipe.seq_len} tokens, threads {torch.get_num_threads()}")
+        f"{recipe.batch_size} x {recipe.seq_len} tokens on {device}"
+        + (f", threads {torch.get_num_threads()}" if device.type == "cpu" else f", {recipe.mixed_precision} autocast"))
 
     logfile = (work / "log.jsonl").open("a")
     start, window_t, window_tokens, stopped_early = time.time(), time.time(), 0, False
@@ -263,8 +285,9 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
-        x = torch.cat([train[d].take(offset[d] + step * per_domain[d], per_domain[d]) for d in DOMAINS])  # [B, seq_len]
-        loss = model(input_ids=x, labels=x).loss
+        x = torch.cat([train[d].take(offset[d] + step * per_domain[d], per_domain[d]) for d in DOMAINS]).to(device)  # [B, seq_len]
+        with autocast(device, recipe.mixed_precision):
+            loss = model(input_ids=x, labels=x).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
                                      f"{latest_checkpoint(work / 'ckpt')}")
@@ -286,7 +309,8 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             log(f"step {step}/{recipe.steps} loss {float(loss.detach()):.3f} {tps:.0f} tok/s ETA {eta / 60:.0f} min")
             window_t, window_tokens = time.time(), 0
         if step % recipe.eval_every == 0 or step == recipe.steps:
-            evals = {f"heldout_loss_{d}": round(heldout_loss(model, heldout[d], recipe.eval_blocks), 4) for d in DOMAINS}
+            evals = {f"heldout_loss_{d}": round(heldout_loss(model, heldout[d], recipe.eval_blocks,
+                                                             mixed_precision=recipe.mixed_precision), 4) for d in DOMAINS}
             logfile.write(json.dumps({"step": step, **evals}) + "\n")
             logfile.flush()
             log(f"step {step}: {evals}")
@@ -294,8 +318,9 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             save_checkpoint(work / "ckpt", step, model, optimizer, extra={"elapsed_s": elapsed})
     logfile.close()
 
-    final_eval = {f"heldout_loss_{d}": heldout_loss(model, heldout[d], len(heldout[d])) for d in DOMAINS}
-    save_pretrained_target(model, tokenizer, out)
+    final_eval = {f"heldout_loss_{d}": heldout_loss(model, heldout[d], len(heldout[d]),
+                                                    mixed_precision=recipe.mixed_precision) for d in DOMAINS}
+    save_pretrained_target(model.cpu(), tokenizer, out)
     tokens_now = step * recipe.batch_size * recipe.seq_len
     summary = {"recipe": asdict(recipe), "steps_done": step, "stopped_early": stopped_early,
                "tokens_seen": tokens_now, "tokens_seen_total": prior.get("tokens_seen_total", 0) + tokens_now,
