@@ -126,7 +126,7 @@ def test_toy_study_runs_every_stage(tmp_path, data_dir):
     assert len(load_results(study.results)) == len(records)
 
 
-def test_demo_study_uses_the_shipped_backbones(tmp_path):
+def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.drafter.checkpoint import write_untrained
     from taps.eval.study import demo_study
     from taps.testing import write_tiny_target
@@ -140,6 +140,8 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path):
     study = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
     names = [v.name for v in study.variants]
     assert names[0] == "baseline" and all(n.startswith("hass-") for n in names[1:])
+    said = capsys.readouterr().out
+    assert "eagle2 left out" in said and "eagle2-math, eagle2-mixed-small, eagle2-mixed-large" in said
     assert len(names) == 1 + 7 + 3 + 2  # paper variants, extra merges/routing, two sweep points
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
     with pytest.raises(FileNotFoundError, match="no embedded target"):

@@ -286,7 +286,11 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
     target, drafters = models / "target", models / "drafters"
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"{target}: no embedded target here; pass --models DIR (with target/ and drafters/)")
-    backbones = [b for b in BACKBONES if all((drafters / f"{b}-{d}" / "model.safetensors").is_file() for d in DOMAINS)]
+    missing = {b: [d for d in DOMAINS if not (drafters / f"{b}-{d}" / "model.safetensors").is_file()] for b in BACKBONES}
+    backbones = [b for b in BACKBONES if not missing[b]]
+    for b in BACKBONES:
+        if missing[b] and backbones:
+            print(f"taps demo: {b} left out, {drafters} lacks {', '.join(f'{b}-{d}' for d in missing[b])}")
     if not backbones:
         raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
                                 f"build them with `taps tiny build-drafters --target {target} --out {drafters} ...`")
