@@ -342,7 +342,7 @@ def _panels(plt, run: Run, ylabel: str, xlabel: str):
 
 def _save(plt, fig, path: Path) -> None:
     for ax in fig.axes:
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -407,17 +407,28 @@ def fig_entropy(run: Run, path: Path) -> str | None:
 
 
 def fig_depth(run: Run, path: Path) -> str | None:
-    """Paper Figure 8: alpha_d vs depth, one line per drafted variant."""
+    """Paper Figure 8: alpha_d vs depth, one line per drafted variant; a row of panels per backbone
+    (so a study of two dozen variants stays readable), the legend beside each row."""
     if not run.drafted:
         return "Figure 8 (acceptance by depth) skipped: the run has no drafted variant."
+    groups: dict[str, list[str]] = defaultdict(list)
+    for v in run.drafted:
+        groups[_backbone(v) or "drafted variants"].append(v)
     plt = _pyplot()
     depth = _depth(run)
-    fig, panels = _panels(plt, run, "alpha_d (conditional acceptance)", "depth d")
-    for ax, t in panels:
-        for v in run.drafted:
-            if records := run.select(v, temperature=t):
-                ax.plot(range(1, depth + 1), m.acceptance_by_depth(records, depth), marker="o", label=v)
-        ax.set(ylim=(0, 1.05), xlim=(0.5, depth + 0.5), xticks=range(1, depth + 1))
+    cols = len(run.temperatures)
+    fig, axes = plt.subplots(len(groups), cols, figsize=(5.2 * cols + 2.4, 3.6 * len(groups)), squeeze=False)
+    for row, (group, variants) in zip(axes, groups.items()):
+        for ax, t in zip(row, run.temperatures):
+            ax.set(title=f"{group}, T = {_t(t)}" if len(groups) > 1 else f"T = {_t(t)}", xlabel="depth d",
+                   ylabel="alpha_d (conditional acceptance)", ylim=(0, 1.05), xlim=(0.5, depth + 0.5),
+                   xticks=range(1, depth + 1))
+            ax.grid(alpha=0.3)
+            for i, v in enumerate(variants):  # ten colours, then the same colours dashed
+                if records := run.select(v, temperature=t):
+                    ax.plot(range(1, depth + 1), m.acceptance_by_depth(records, depth), marker="os^D"[i // 10 % 4],
+                            color=f"C{i % 10}", linestyle="-" if i < 10 else "--", label=v)
+        row[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     _save(plt, fig, path)
     return None
 
