@@ -160,8 +160,12 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
                       warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
-    # the heads train where the target is (accelerate would otherwise take a GPU for them)
-    acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=target.device.type == "cpu")
+    # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
+    import torch
+
+    cpu_only = target.device.type == "cpu" and torch.cuda.is_available()
+    acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=cpu_only) if cpu_only else \
+        Accelerator(mixed_precision=recipe.mixed_precision)
     trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
     if trainer.resume():
         log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
