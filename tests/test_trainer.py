@@ -93,6 +93,32 @@ def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch
     assert info.extra["train_seconds"] >= round(first_run_seconds, 1) and info.extra["timed_from_step"] == 0
 
 
+def test_checkpoint_without_a_clock_resumes_timed_from_its_step(tmp_path, target, features, monkeypatch):
+    """Checkpoints written before train_seconds existed: the time before them is unknown, and the
+    head says from which step its time was counted."""
+    import json
+
+    real_save = Trainer._save
+
+    def save_then_die(self, metrics):
+        real_save(self, metrics)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        fit(target, features, tmp_path / "old", backbone="eagle2")
+    monkeypatch.setattr(Trainer, "_save", real_save)
+    state_file = next((tmp_path / "old" / "ckpt").glob("step-*/state.json"))
+    state = json.loads(state_file.read_text())
+    for key in ("train_seconds", "timed_from_step"):
+        del state["extra"][key]
+    state_file.write_text(json.dumps(state))
+    resumed = Trainer(target, features, tmp_path / "old", config(backbone="eagle2"))
+    assert resumed.resume() and resumed.train_seconds == 0.0 and resumed.timed_from_step == resumed.step > 0
+    resumed.fit(progress=False)
+    assert load_head(tmp_path / "old", target)[1].extra["timed_from_step"] == resumed.steps_per_epoch
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, target, features, monkeypatch):
     real = trainer_mod.eagle2_loss
     calls = {"n": 0}
