@@ -151,6 +151,7 @@ def _features(recipe: DrafterRecipe, target, work: Path) -> tuple[dict[str, Path
 
 def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: Path, work: Path, backbone: str,
                 domain: str, progress: bool = True) -> None:
+    import torch
     from accelerate import Accelerator
 
     from taps.train.trainer import TrainConfig, Trainer
@@ -161,11 +162,8 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
     # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
-    import torch
-
-    cpu_only = target.device.type == "cpu" and torch.cuda.is_available()
-    acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=cpu_only) if cpu_only else \
-        Accelerator(mixed_precision=recipe.mixed_precision)
+    # (cpu=False is accelerate's default, so CPU-only machines see no difference)
+    acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=target.device.type == "cpu" and torch.cuda.is_available())
     trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
     if trainer.resume():
         log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
