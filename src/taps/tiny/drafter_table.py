@@ -36,10 +36,10 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
                      on_drafter: Callable[[str, dict], None] | None = None, progress: bool = False) -> dict:
     """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}; drafters in
     `done` are taken from it unmeasured, `on_drafter(name, table)` runs after each measured one."""
-    prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
-               for b, qs in bench_prompts(data_dir, n).items()}
     from tqdm.auto import tqdm
 
+    prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
+               for b, qs in bench_prompts(data_dir, n).items()}
     stops = target.stop_token_ids()
     table: dict = {}
     todo = [name for name in drafters if not (done and name in done)]

@@ -124,7 +124,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         # wall time of fit() summed over resumed runs, and the step it was first counted from
-        # (checkpoints older than this field resume with what they had not recorded missing)
+        # (a checkpoint written before this clock existed starts it at its own step)
         self.train_seconds, self.timed_from_step = 0.0, 0
 
     # ---- data -----------------------------------------------------------------------------------
@@ -183,10 +183,11 @@ class Trainer:
             return False
         state = load_checkpoint(ckpt, self.head, self.optimizer)
         self.step = int(state["step"])
-        self.train_seconds = float(state["extra"].get("train_seconds", 0.0))
-        self.timed_from_step = int(state["extra"].get("timed_from_step", self.step if "train_seconds" not in state["extra"] else 0))
-        if state["extra"].get("global_batch") != self.global_batch:
-            raise TrainingError(f"{ckpt}: saved with global batch {state['extra'].get('global_batch')}, this run "
+        extra = state["extra"]
+        self.train_seconds = float(extra.get("train_seconds", 0.0))
+        self.timed_from_step = int(extra["timed_from_step"]) if "timed_from_step" in extra else self.step
+        if extra.get("global_batch") != self.global_batch:
+            raise TrainingError(f"{ckpt}: saved with global batch {extra.get('global_batch')}, this run "
                                 f"has {self.global_batch}; resume with the same batch layout")
         return True
 
