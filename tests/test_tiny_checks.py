@@ -8,7 +8,8 @@ import pytest
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.target import Target
 from taps.tiny.drafter_table import acceptance_table, to_markdown
-from taps.tiny.target_check import check_target, distinct_4gram_share, final_number, follows_gsm8k_format
+from taps.tiny.target_check import (check_target, distinct_4gram_share, final_number, follows_gsm8k_format,
+                                    question_word_recall)
 
 
 def test_gsm8k_format():
@@ -23,6 +24,13 @@ def test_distinct_4grams():
     assert distinct_4gram_share("a b c d e f") == 1.0
     assert distinct_4gram_share("go go go go go go go go") == pytest.approx(1 / 5)
     assert distinct_4gram_share("too short") == 0.0
+
+
+def test_question_word_recall_ignores_instruction_words():
+    question = "Write a travel blog post about Hawaii, please."
+    assert question_word_recall(question, "Hawaii has beaches; my travel there was great.") == pytest.approx(2 / 4)
+    assert question_word_recall(question, "Sure, here is what you asked to write.") == 0.0  # echoes no topic word
+    assert question_word_recall("Please write.", "Anything at all.") == 0.0  # no content word to look for
 
 
 @pytest.fixture

@@ -180,3 +180,21 @@ def test_continue_training_from_a_built_target(tmp_path, data_dir):
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(FileNotFoundError, match="recipe.json: missing"):
         build_target(toy(data_dir, init_from=str(tmp_path)), tmp_path / "v2", tmp_path / "v2.work")
+
+
+def test_chat_filters_keep_the_split_and_drop_long_or_code_answers():
+    from taps.tiny.target_recipe import filter_chat, keep_chat
+
+    def conv(cid, answer):
+        return {"id": cid, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+
+    assert keep_chat(conv("a", "one two three"), 3, True)
+    assert not keep_chat(conv("a", "one two three four"), 3, False)  # an answer over the word cap
+    assert not keep_chat(conv("a", "see ```x = 1```"), None, True)  # a code fence
+    assert keep_chat(conv("a", "see ```x = 1```"), None, False)
+    splits = {"chat": {"train": [conv("t1", "short"), conv("t2", "```code```")], "heldout": [conv("h1", "fine")]},
+              "math": {"train": [], "heldout": []}}
+    filter_chat(splits, TargetRecipe(chat_drop_code=True))
+    assert [r["id"] for r in splits["chat"]["train"]] == ["t1"] and [r["id"] for r in splits["chat"]["heldout"]] == ["h1"]
+    with pytest.raises(ValueError, match="chat/train: no conversation passes"):
+        filter_chat(splits, TargetRecipe(chat_max_answer_words=0))

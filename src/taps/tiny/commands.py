@@ -30,6 +30,10 @@ def register(sub) -> None:
     b.add_argument("--heads", type=int, default=4, help="attention heads (as many key/value heads)")
     b.add_argument("--intermediate-size", type=int, default=704)
     b.add_argument("--chat-source", default="sharegpt", help="source spec of the chat domain")
+    b.add_argument("--chat-max-answer-words", type=int,
+                   help="drop chat conversations with an assistant turn longer than this (words)")
+    b.add_argument("--chat-drop-code", action="store_true",
+                   help="drop chat conversations with a code fence in an assistant turn")
     b.add_argument("--math-source", default="gsm8k:train", help="source spec of the math domain")
     b.set_defaults(func=_build_target)
 
@@ -85,7 +89,8 @@ def _build_target(args) -> int:
                           math_share=args.math_share, init_from=args.init_from,
                           lr=args.lr, minutes=args.minutes, threads=args.threads, device=args.device,
                           mixed_precision=args.mixed_precision, hidden_size=args.hidden_size, layers=args.layers,
-                          heads=args.heads, kv_heads=args.heads, intermediate_size=args.intermediate_size)
+                          heads=args.heads, kv_heads=args.heads, intermediate_size=args.intermediate_size,
+                          chat_max_answer_words=args.chat_max_answer_words, chat_drop_code=args.chat_drop_code)
     build_target(recipe, args.out, args.work or f"{args.out.rstrip('/')}.work")
     return 0
 

@@ -4,7 +4,9 @@
   `<<...>>` calculator annotation and a final `#### <number>` line); the final number's accuracy
   is reported too, for information;
 - chat: answers to MT-Bench first turns are not a repeated phrase: the share of distinct word
-  4-grams among all word 4-grams of each answer (1.0 = no 4-gram repeats).
+  4-grams among all word 4-grams of each answer (1.0 = no 4-gram repeats); and, as a crude sign of
+  being on topic, the share of the question's content words (not instruction words such as
+  "write" or "please") that the answer uses.
 """
 
 from __future__ import annotations
@@ -37,6 +39,30 @@ def distinct_4gram_share(text: str) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+WORD = re.compile(r"[a-z]+")
+# Words that say what to do, not what about: an answer that only echoes these is not on topic.
+NOT_TOPIC = frozenset("""
+a about above after again all also an and any are as ask at be been before being below between both but by
+can could did do does doing down during each few for from further had has have having he her here hers him his
+how i if in into is it its itself just me more most my no nor not now of off on once only or other our out over
+own please same she should so some such than that the their them then there these they this those through to too
+under until up very was we were what when where which while who whom why will with would you your yours yourself
+answer answers compose craft describe develop draft explain following give help imagine include including keep
+let make now pretend provide short sure tell use using write writing words word paragraph paragraphs sentence
+sentences role question questions request first start begin
+""".split())
+
+
+def topic_words(text: str) -> set[str]:
+    return {w for w in WORD.findall(text.lower()) if len(w) >= 3 and w not in NOT_TOPIC}
+
+
+def question_word_recall(question: str, answer: str) -> float:
+    """Share of the question's content words that occur in the answer (0 when it has none)."""
+    wanted = topic_words(question)
+    return len(wanted & topic_words(answer)) / len(wanted) if wanted else 0.0
+
+
 def first_rows(path: Path, n: int) -> list[dict]:
     """The first n JSON objects of a JSONL file."""
     rows = []
@@ -57,6 +83,8 @@ class TargetCheck:
     mt_bench_questions: int
     mt_bench_distinct_4gram_mean: float
     mt_bench_distinct_4gram_min: float
+    mt_bench_question_word_recall: float  # mean share of the question's content words in the answer
+    mt_bench_uses_question_words: float  # share of answers that use at least one of them
     mean_answer_tokens_gsm8k: float
     mean_answer_tokens_mt_bench: float
 
@@ -83,17 +111,19 @@ def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_toke
         gsm_len += length
         if samples is not None:
             samples.append({"bench": "gsm8k", "question": row["question"], "answer": answer})
-    shares, mt_len = [], 0
+    shares, recalls, mt_len = [], [], 0
     for row in mt:
         answer, length = _answer(target, row["turns"][0], max_new_tokens)
         shares.append(distinct_4gram_share(answer))
+        recalls.append(question_word_recall(row["turns"][0], answer))
         mt_len += length
         if samples is not None:
             samples.append({"bench": "mt_bench", "question": row["turns"][0], "answer": answer})
     return TargetCheck(
         gsm8k_questions=len(gsm), gsm8k_format_share=fmt / len(gsm), gsm8k_accuracy=correct / len(gsm),
         mt_bench_questions=len(mt), mt_bench_distinct_4gram_mean=sum(shares) / len(shares),
-        mt_bench_distinct_4gram_min=min(shares), mean_answer_tokens_gsm8k=gsm_len / len(gsm),
+        mt_bench_distinct_4gram_min=min(shares), mt_bench_question_word_recall=sum(recalls) / len(recalls),
+        mt_bench_uses_question_words=sum(r > 0 for r in recalls) / len(recalls), mean_answer_tokens_gsm8k=gsm_len / len(gsm),
         mean_answer_tokens_mt_bench=mt_len / len(mt))
 
 

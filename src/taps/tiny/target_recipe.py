@@ -59,6 +59,8 @@ class TargetRecipe:
     eval_blocks: int = 32  # held-out blocks per domain per evaluation
     holdout_frac: float = 0.02
     chat_max_tokens: int = 768  # long ShareGPT conversations are cut: first turns matter most
+    chat_max_answer_words: int | None = None  # drop chat conversations with a longer assistant turn
+    chat_drop_code: bool = False  # drop chat conversations with a code fence in an assistant turn
     tokenizer_chars: int = 30_000_000  # text used to train the tokenizer, split evenly across domains
     limit_per_domain: int | None = None  # toy runs
     init_from: str | None = None  # continue training a target built by this recipe (its tokenizer, weights, split)
@@ -97,6 +99,35 @@ def split_domains(domains: dict[str, list[dict]], frac: float, seed: int) -> dic
         n_hold = max(1, round(frac * len(records)))
         out[d] = {"heldout": [records[i] for i in order[:n_hold]], "train": [records[i] for i in order[n_hold:]]}
     return out
+
+
+def keep_chat(record: dict, max_answer_words: int | None, drop_code: bool) -> bool:
+    """Whether a chat conversation passes the recipe's filters: every assistant turn at most
+    `max_answer_words` words and, with `drop_code`, free of code fences. A model this small learns
+    short prose answers that end far better than long ones that it can only continue in a loop."""
+    for turn in record["conversations"]:
+        if turn["role"] != "assistant":
+            continue
+        if drop_code and "```" in turn["content"]:
+            return False
+        if max_answer_words is not None and len(turn["content"].split()) > max_answer_words:
+            return False
+    return True
+
+
+def filter_chat(splits, recipe: TargetRecipe) -> None:
+    """Apply the chat filters to both halves of the split, in place. Filtering after the split keeps
+    the held-out records of an unfiltered run with the same seed out of training (--init-from)."""
+    if recipe.chat_max_answer_words is None and not recipe.chat_drop_code:
+        return
+    for half, records in splits["chat"].items():
+        kept = [r for r in records if keep_chat(r, recipe.chat_max_answer_words, recipe.chat_drop_code)]
+        log(f"chat/{half}: {len(kept)} of {len(records)} conversations pass the filters "
+            f"(answers <= {recipe.chat_max_answer_words} words, drop code: {recipe.chat_drop_code})")
+        if not kept:
+            raise ValueError(f"chat/{half}: no conversation passes --chat-max-answer-words "
+                             f"{recipe.chat_max_answer_words} / --chat-drop-code; loosen them")
+        splits["chat"][half] = kept
 
 
 def tokenizer_texts(splits, budget_chars: int):
@@ -225,6 +256,7 @@ def prepare(recipe: TargetRecipe, work: Path):
         log(f"reusing tokenizer and token arrays in {work}")
         return AutoTokenizer.from_pretrained(tok_dir), {k: np.load(p) for k, p in arrays.items()}
     splits = split_domains(load_domains(recipe), recipe.holdout_frac, recipe.seed)
+    filter_chat(splits, recipe)
     (work / "split.json").write_text(json.dumps(
         {d: {s: [r["id"] for r in splits[d][s]] for s in splits[d]} for d in splits}))
     t0 = time.time()
