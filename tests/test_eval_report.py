@@ -182,8 +182,8 @@ def test_table2_shares(tmp_path):
     assert rows[("mt_bench", "entropy (post hoc)")] == [2, 0.5, 0.5]
     assert rows[("gsm8k", "routed (causal, per step)")] == [4, 0.75, 0.25]
     assert rows[("gsm8k", "turned (causal, per turn)")] == [2, 0.5, 0.5]
-    assert all(r[0] == "m vs c" for r in table.rows) and not table.notes
-    assert "| m vs c | 0 | gsm8k | confidence (post hoc) | 4 | 0.750 | 0.250 |" in table.to_markdown()
+    assert all(r[0] == "math vs chat" for r in table.rows) and not table.notes  # named by the single variants
+    assert "| math vs chat | 0 | gsm8k | confidence (post hoc) | 4 | 0.750 | 0.250 |" in table.to_markdown()
 
 
 def test_table2_without_single_heads_is_noted(tmp_path):
@@ -237,3 +237,11 @@ def test_every_file_of_a_real_run(tiny_run, tmp_path, capsys):
     assert depth[0] == ["variant", "T", "alpha_1", "alpha_2", "alpha_3"] and len(depth) == 1 + 2 * 8
     speed = list(csv.DictReader(io.StringIO((tmp_path / "report" / "speedup.csv").read_text())))
     assert {float(r["speedup"]) for r in speed if r["variant"] == "baseline"} == {1.0}
+
+
+def test_lambda_sweep_ends_at_the_members_alone(tiny_run):
+    from taps.eval.report import lambda_sweeps
+
+    run = load_run(tiny_run)
+    assert lambda_sweeps(run) == [[(0.0, "hass-chat"), (0.1, "hass-avg-0.1"), (0.5, "hass-avg-0.5"),
+                                   (0.9, "hass-avg-0.9"), (1.0, "hass-math")]]

@@ -187,6 +187,15 @@ def table1(run: Run) -> Table:
     return table
 
 
+def _singles_by_dir(run: Run) -> dict[str, str]:
+    """Resolved drafter dir -> the first single-head variant (with records) that decodes it."""
+    singles: dict[str, str] = {}
+    for v in run.drafted:
+        if run.strategy(v) == "single" and run.select(v):
+            singles.setdefault(_resolve(run.spec(v)["drafters"][0][1]), v)
+    return singles
+
+
 def table2(run: Run) -> Table:
     """Paper Table 2: which member each selector picks, per benchmark. Post hoc (per question, over the
     members' own single-head generations, as the paper counts) and causal (what the routed variant did)."""
@@ -195,10 +204,7 @@ def table2(run: Run) -> Table:
     if not routed:
         table.notes.append("Table 2 skipped: the run has no routed variant.")
         return table
-    singles: dict[str, str] = {}  # resolved drafter dir -> the first single variant decoding it
-    for v in run.drafted:
-        if run.strategy(v) == "single" and run.select(v):
-            singles.setdefault(_resolve(run.spec(v)["drafters"][0][1]), v)
+    singles = _singles_by_dir(run)
     groups: dict[tuple, list[str]] = defaultdict(list)  # members (name, dir) -> their routed variants
     for v in routed:
         groups[tuple((n, _resolve(d)) for n, d in run.spec(v)["drafters"])].append(v)
@@ -213,8 +219,11 @@ def table2(run: Run) -> Table:
         table.rows.append([label, _t(t), bench, selector, n, *(shares.get(k) for k in members)])
 
     for key, variants in groups.items():
-        names, label = [n for n, _ in key], " vs ".join(n for n, _ in key)
+        names = [n for n, _ in key]
         heads = {n: singles.get(d) for n, d in key}
+        # members by their single variants' names when known: "eagle2-math vs eagle2-chat" tells the
+        # backbones apart, where the member names ("math vs chat") repeat across them
+        label = " vs ".join(heads[n] or n for n in names)
         lacking = [n for n, s in heads.items() if s is None]
         if lacking:
             table.notes.append(f"Table 2: no single-head records of {', '.join(lacking)} (members of "
@@ -349,30 +358,44 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
-def fig_lambda_sweep(run: Run, path: Path) -> str | None:
-    """Paper Figure 6: acceptance length vs lambda, for averages of the same two members."""
+def lambda_sweeps(run: Run) -> list[list[tuple[float, str]]]:
+    """Paper Figure 6's lines: per pair of members, (lambda, variant) sorted by lambda over every
+    average of that pair. The members' own single-head variants, when the run has them, are the end
+    points (lambda 1: the first member, 0: the second), so the line shows whether any average beats
+    the heads it mixes. Pairs with fewer than two distinct lambdas are left out."""
     sweeps: dict[tuple, list[tuple[float, str]]] = defaultdict(list)
     for v in run.drafted:
         spec = run.spec(v)
         if spec.get("strategy") == "average" and len(spec.get("drafters", [])) == 2:
             lam = spec["weights"][0] if spec.get("weights") else 0.5
             sweeps[tuple(_resolve(d) for _, d in spec["drafters"])].append((lam, v))
-    sweeps = {k: sorted(s) for k, s in sweeps.items() if len({lam for lam, _ in s}) >= 2}
+    singles = _singles_by_dir(run)
+    for (first, second), sweep in sweeps.items():
+        sweep += [(lam, singles[d]) for lam, d in ((1.0, first), (0.0, second)) if d in singles]
+    return [sorted(s) for s in sweeps.values() if len({lam for lam, _ in s}) >= 2]
+
+
+def fig_lambda_sweep(run: Run, path: Path) -> str | None:
+    """Paper Figure 6: acceptance length vs lambda (lambda_sweeps), a panel per temperature."""
+    sweeps = lambda_sweeps(run)
     if not sweeps:
-        return "Figure 6 (lambda sweep) skipped: fewer than 2 averaged variants share their two members."
+        return ("Figure 6 (lambda sweep) skipped: no two members averaged at two or more lambdas (counting "
+                "their single-head variants as lambda 1 and 0).")
     plt = _pyplot()
-    fig, panels = _panels(plt, run, "acceptance length", "λ (weight of the first member)")
+    fig, panels = _panels(plt, run, "acceptance length", "λ (weight of the first member; 0, 1: a member alone)")
     for ax, t in panels:
-        for sweep in sweeps.values():
-            names = [v for _, v in sweep]
+        for i, sweep in enumerate(sweeps):  # a line style per sweep, a colour per benchmark
+            names = [v for _, v in sweep if run.strategy(v) == "average"]
             prefixes = {_backbone(v) for v in names}
             label = prefixes.pop() if len(prefixes) == 1 and None not in prefixes else \
                 "+".join(n for n, _ in run.spec(names[0])["drafters"])
-            for bench in run.benches:
+            for j, bench in enumerate(run.benches):
                 points = [(lam, run.value(v, bench, t, "acceptance_length")) for lam, v in sweep]
                 points = [(x, y) for x, y in points if y is not None]
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=f"{label} {bench}")
+                    ax.plot(*zip(*points), marker="os^Dv"[i % 5], linestyle=("-", "--", ":", "-.")[i % 4],
+                            color=f"C{j % 10}", label=f"{label} {bench}")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     _save(plt, fig, path)
     return None
 
