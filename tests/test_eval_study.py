@@ -144,5 +144,8 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert "eagle2 left out" in said and "eagle2-math, eagle2-mixed-small, eagle2-mixed-large" in said
     assert len(names) == 1 + 7 + 3 + 2  # paper variants, extra merges/routing, two sweep points
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
+    assert (study.settings.tree.total_tokens, study.settings.tree.depth, study.settings.tree.top_k) == (60, 5, 10)
+    small = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16, tree={"total_tokens": 16, "depth": 5, "top_k": 4})
+    assert (small.settings.tree.total_tokens, small.settings.tree.top_k) == (16, 4)
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, 2, 16)

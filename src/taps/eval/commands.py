@@ -112,6 +112,7 @@ def register_study(sub) -> None:
     d.add_argument("--out", default="runs/demo-study", help="results/ and report/ go here; a rerun resumes")
     d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
     d.add_argument("--max-new-tokens", type=int, default=96)
+    add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (e.g. 16/5/4)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
@@ -139,9 +140,10 @@ def _demo(args) -> int:
     from taps.eval.report import terminal_summary
     from taps.eval.study import demo_study, run_study
 
-    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens)
+    tree = {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k}
+    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
-          f"each, temperature 0) on {study.target}")
+          f"each, temperature 0, tree {args.total_tokens}/{args.depth}/{args.top_k}) on {study.target}")
     report = run_study(study, ("eval", "report"), progress=not args.no_progress)
     print(terminal_summary(study.results))
     print(f"\nfull report: {report / 'report.md'}")

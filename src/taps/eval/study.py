@@ -276,10 +276,11 @@ def _embedded(models: str | Path) -> Path:
 
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
-               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75)) -> Study:
+               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75), tree: dict | None = None) -> Study:
     """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
-    on a few questions of each benchmark at temperature 0."""
+    on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
+    (default: the paper's 60/5/10)."""
     from taps.tiny.drafter_recipe import BACKBONES, DOMAINS
 
     models = _embedded(models)
@@ -298,5 +299,6 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
-                       "limit": per_bench, "max_new_tokens": max_new_tokens}}
+                       "limit": per_bench, "max_new_tokens": max_new_tokens,
+                       **({"tree": dict(tree)} if tree else {})}}
     return study_from_dict(config, "taps demo", data_dir)
