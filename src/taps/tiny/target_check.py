@@ -48,7 +48,7 @@ how i if in into is it its itself just me more most my no nor not now of off on 
 own please same she should so some such than that the their them then there these they this those through to too
 under until up very was we were what when where which while who whom why will with would you your yours yourself
 answer answers compose craft describe develop draft explain following give help imagine include including keep
-let make now pretend provide short sure tell use using write writing words word paragraph paragraphs sentence
+let make pretend provide short sure tell use using write writing words word paragraph paragraphs sentence
 sentences role question questions request first start begin
 """.split())
 
@@ -123,8 +123,8 @@ def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_toke
         gsm8k_questions=len(gsm), gsm8k_format_share=fmt / len(gsm), gsm8k_accuracy=correct / len(gsm),
         mt_bench_questions=len(mt), mt_bench_distinct_4gram_mean=sum(shares) / len(shares),
         mt_bench_distinct_4gram_min=min(shares), mt_bench_question_word_recall=sum(recalls) / len(recalls),
-        mt_bench_uses_question_words=sum(r > 0 for r in recalls) / len(recalls), mean_answer_tokens_gsm8k=gsm_len / len(gsm),
-        mean_answer_tokens_mt_bench=mt_len / len(mt))
+        mt_bench_uses_question_words=sum(r > 0 for r in recalls) / len(recalls),
+        mean_answer_tokens_gsm8k=gsm_len / len(gsm), mean_answer_tokens_mt_bench=mt_len / len(mt))
 
 
 def as_dict(check: TargetCheck) -> dict:
