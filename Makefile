@@ -24,8 +24,8 @@ test: install
 # `make demo`: `taps demo` on the embedded default (models/taps-tiny): a small study of every variant,
 # Table 1 and the speedup table in the terminal, the full report in runs/demo-study/report.
 # Benchmark questions come from DATA_DIR (default: $TAPS_DATA_DIR, else ../shared/data if present,
-# else the Hugging Face hub). Until the embedded drafters are shipped (issue 4) it falls back to
-# decoding one GSM8K question plainly and with an untrained head (same tokens, no speedup).
+# else the Hugging Face hub). Without models/taps-tiny/drafters (a checkout that leaves them out) it
+# falls back to decoding one GSM8K question plainly and with an untrained head (same tokens, no speedup).
 DATA_DIR ?= $(or $(TAPS_DATA_DIR),$(wildcard ../shared/data))
 DEMO := runs/demo
 TINY := models/taps-tiny/target
