@@ -198,3 +198,10 @@ def test_chat_filters_keep_the_split_and_drop_long_or_code_answers():
     assert [r["id"] for r in splits["chat"]["train"]] == ["t1"] and [r["id"] for r in splits["chat"]["heldout"]] == ["h1"]
     with pytest.raises(ValueError, match="chat/train: no conversation passes"):
         filter_chat(splits, TargetRecipe(chat_max_answer_words=0))
+
+
+def test_a_rerun_with_other_data_settings_is_refused(tmp_path, data_dir):
+    build_target(toy(data_dir, steps=2), tmp_path / "out", tmp_path / "work")
+    with pytest.raises(ValueError, match="made with chat_drop_code = False, this run has True"):
+        build_target(toy(data_dir, steps=2, chat_drop_code=True), tmp_path / "out2", tmp_path / "work")
+    build_target(toy(data_dir, steps=3), tmp_path / "out3", tmp_path / "work")  # same data, more steps: resumes

@@ -246,6 +246,23 @@ def heldout_loss(model, stream: BlockStream, blocks: int, batch: int = 8, mixed_
 
 
 # ---- the recipe -----------------------------------------------------------------------------------
+DATA_FIELDS = ("chat_source", "math_source", "seed", "vocab_size", "holdout_frac", "chat_max_tokens",
+               "chat_max_answer_words", "chat_drop_code", "tokenizer_chars", "limit_per_domain", "init_from")
+
+
+def check_data_settings(recipe: TargetRecipe, work: Path) -> None:
+    """The cached split, tokenizer and token arrays in `work` were made with these settings: a rerun
+    with other ones would silently train on the old data, so it is refused (work dirs made before
+    this record existed are taken as they are)."""
+    path = work / "data-settings.json"
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    for key in DATA_FIELDS:
+        if key in cached and cached[key] != getattr(recipe, key):
+            raise ValueError(f"{path}: the cached data of this work directory was made with {key} = "
+                             f"{cached[key]!r}, this run has {getattr(recipe, key)!r}; use another --work "
+                             "(or the same setting)")
+
+
 def prepare(recipe: TargetRecipe, work: Path):
     """Split, tokenizer and packed token arrays, each cached in the work directory."""
     from transformers import AutoTokenizer
@@ -253,8 +270,10 @@ def prepare(recipe: TargetRecipe, work: Path):
     tok_dir = work / "tokenizer"
     arrays = {(d, s): work / f"tokens-{d}-{s}.npy" for d in DOMAINS for s in ("train", "heldout")}
     if tok_dir.is_dir() and all(p.is_file() for p in arrays.values()):
+        check_data_settings(recipe, work)
         log(f"reusing tokenizer and token arrays in {work}")
         return AutoTokenizer.from_pretrained(tok_dir), {k: np.load(p) for k, p in arrays.items()}
+    (work / "data-settings.json").write_text(json.dumps({k: getattr(recipe, k) for k in DATA_FIELDS}, indent=1))
     splits = split_domains(load_domains(recipe), recipe.holdout_frac, recipe.seed)
     filter_chat(splits, recipe)
     (work / "split.json").write_text(json.dumps(
