@@ -8,8 +8,8 @@ import pytest
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.target import Target
 from taps.tiny.drafter_table import acceptance_table, to_markdown
-from taps.tiny.target_check import (check_target, distinct_4gram_share, final_number, follows_gsm8k_format,
-                                    question_word_recall)
+from taps.tiny.target_check import (chat_measures, check_target, distinct_4gram_share, final_number,
+                                    follows_gsm8k_format, mt_bench_temperature, question_word_recall)
 
 
 def test_gsm8k_format():
@@ -33,6 +33,25 @@ def test_question_word_recall_ignores_instruction_words():
     assert question_word_recall("Please write.", "Anything at all.") == 0.0  # no content word to look for
 
 
+def test_chat_measures_tell_on_topic_answers_from_chance():
+    questions = ["Describe Hawaii beaches.", "Explain volcano eruptions.", "Praise chocolate cake."]
+    on_topic = ["Hawaii beaches are warm.", "A volcano eruption is loud.", "Chocolate cake is sweet."]
+    m = chat_measures(questions, on_topic, [5, 5, 5])
+    assert m.question_word_recall > m.question_word_recall_chance == 0.0 and m.on_topic_share == 1.0
+    shifted = on_topic[1:] + on_topic[:1]  # every answer is about another question
+    m = chat_measures(questions, shifted, [5, 5, 5])
+    assert m.question_word_recall == 0.0 < m.question_word_recall_chance and m.on_topic_share == 0.0
+    generic = ["Sure, here is some text."] * 3
+    assert chat_measures(questions, generic, [5, 5, 5]).on_topic_share == 0.0  # ties are not on topic
+
+
+def test_mt_bench_temperatures_follow_fastchat_and_name_unknown_categories():
+    assert mt_bench_temperature({"category": "writing"}) == 0.7
+    assert mt_bench_temperature({"category": "math"}) == 0.0
+    with pytest.raises(ValueError, match="question 7: category 'poetry'"):
+        mt_bench_temperature({"question_id": 7, "category": "poetry"})
+
+
 @pytest.fixture
 def data_dir(tmp_path):
     (tmp_path / "gsm8k").mkdir()
@@ -50,7 +69,10 @@ def test_check_target_and_table_run(tmp_path, target_dir, data_dir):
     target = Target.load(target_dir, device="cpu", dtype="float32")
     samples = []
     check = check_target(target, data_dir, n=2, max_new_tokens=6, samples=samples)
-    assert check.gsm8k_questions == 2 and check.mt_bench_questions == 2 and len(samples) == 4
+    assert check.gsm8k_questions == 2 and check.mt_bench_questions == 2 and len(samples) == 2 + 2 * 2
+    assert [s["decoding"] for s in samples if s["bench"] == "mt_bench"] == ["greedy", "greedy", "T=0.7", "T=0.7"]
+    for m in (check.mt_bench_greedy, check.mt_bench_sampled):
+        assert 0.0 <= m.on_topic_share <= 1.0 and m.mean_answer_tokens <= 6
     assert 0.0 <= check.gsm8k_format_share <= 1.0 and check.mean_answer_tokens_gsm8k <= 6
     heads = {}
     for seed in (0, 1):

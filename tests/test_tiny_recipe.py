@@ -3,6 +3,7 @@ with chat template, training with checkpoints, resume to the same weights, 16-bi
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -205,3 +206,31 @@ def test_a_rerun_with_other_data_settings_is_refused(tmp_path, data_dir):
     with pytest.raises(ValueError, match="made with chat_drop_code = False, this run has True"):
         build_target(toy(data_dir, steps=2, chat_drop_code=True), tmp_path / "out2", tmp_path / "work")
     build_target(toy(data_dir, steps=3), tmp_path / "out3", tmp_path / "work")  # same data, more steps: resumes
+
+
+def test_conversation_blocks_start_at_conversations_and_do_not_overlap():
+    from taps.tiny.target_recipe import BlockStream, conversation_block_starts
+
+    lengths = [5, 3, 12, 4, 4, 2, 9]
+    starts = np.cumsum([0] + lengths[:-1])
+    tokens = np.concatenate([np.full(n, i, dtype=np.int32) for i, n in enumerate(lengths)])  # token = conversation id
+    blocks = conversation_block_starts(starts, len(tokens), seq_len=6)
+    assert set(blocks.tolist()) <= set(starts.tolist())
+    assert np.all(np.diff(blocks) >= 6) and blocks[-1] + 6 <= len(tokens)
+    assert blocks.tolist() == [0, 8, 20, 28]  # conv 0 + 1 of conv 1; conv 2 (12) cut; conv 3 + 2 of 4; conv 5 + 4 of 6
+    stream = BlockStream(tokens, 6, seed=0, block_starts=blocks)
+    assert [row[0] for row in stream.blocks.tolist()] == [0, 2, 3, 5]  # every block opens a conversation
+
+
+def test_conversation_packing_trains_and_needs_the_starts_cache(tmp_path, data_dir):
+    work = tmp_path / "work"
+    out = build_target(toy(data_dir, pack="conversations"), tmp_path / "out", work)
+    assert json.loads((out / "recipe.json").read_text())["recipe"]["pack"] == "conversations"
+    bos = Target.load(out, device="cpu", dtype="float32").tokenizer.bos_token_id
+    tokens, starts = np.load(work / "tokens-chat-train.npy"), np.load(work / "starts-chat-train.npy")
+    assert all(tokens[s] == bos for s in starts)  # each recorded start is a conversation's <|bos|>
+    (work / "starts-chat-train.npy").unlink()  # a work dir from before conversation packing
+    with pytest.raises(ValueError, match="starts-chat-train.npy: missing"):
+        build_target(toy(data_dir, pack="conversations", steps=8), tmp_path / "out2", work)
+    with pytest.raises(ValueError, match="pack 'rows'"):
+        build_target(toy(data_dir, pack="rows"), tmp_path / "out3", tmp_path / "work3")

@@ -18,13 +18,18 @@ def register(sub) -> None:
     b.add_argument("--steps", type=int, default=2000)
     b.add_argument("--batch-size", type=int, default=8)
     b.add_argument("--seq-len", type=int, default=512)
+    b.add_argument("--pack", choices=["stream", "conversations"], default="stream",
+                   help="training blocks at any offset of the packed corpus, or each at a conversation's start "
+                        "(every answer then sees its question)")
+    b.add_argument("--chat-max-tokens", type=int, default=768, help="cut each chat conversation to this many tokens")
     b.add_argument("--math-share", type=float, default=0.5, help="share of each batch from the math domain")
     b.add_argument("--init-from", help="continue training a target this recipe built (same tokenizer and split; "
                                        "its data blocks are not repeated)")
     b.add_argument("--lr", type=float, default=2e-3)
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (a GPU when there is one)")
-    b.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast (GPUs)")
+    b.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                   help="bf16 autocast (GPUs; CPUs with AMX too: 1.8x measured on the default shape)")
     b.add_argument("--hidden-size", type=int, default=256)
     b.add_argument("--layers", type=int, default=6)
     b.add_argument("--heads", type=int, default=4, help="attention heads (as many key/value heads)")
@@ -86,6 +91,7 @@ def _build_target(args) -> int:
 
     recipe = TargetRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                           seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                          pack=args.pack, chat_max_tokens=args.chat_max_tokens,
                           math_share=args.math_share, init_from=args.init_from,
                           lr=args.lr, minutes=args.minutes, threads=args.threads, device=args.device,
                           mixed_precision=args.mixed_precision, hidden_size=args.hidden_size, layers=args.layers,

@@ -6,7 +6,14 @@
 - chat: answers to MT-Bench first turns are not a repeated phrase: the share of distinct word
   4-grams among all word 4-grams of each answer (1.0 = no 4-gram repeats); and, as a crude sign of
   being on topic, the share of the question's content words (not instruction words such as
-  "write" or "please") that the answer uses.
+  "write" or "please") that the answer uses, beside the same share for the *other* questions
+  (what an answer that ignores its question scores by chance): an on-topic answer uses more of its
+  own question's words than of the others'.
+
+The chat measures are taken twice: with greedy decoding, and under MT-Bench's own generation
+protocol, which samples each category at its own temperature (FastChat's `temperature_config`:
+writing and roleplay 0.7, STEM and humanities 0.1, the rest greedy); a small model that loops
+under greedy decoding may still answer on topic when sampled, as MT-Bench samples it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from taps.config import DecodeConfig
+from taps.config import DecodeConfig, SamplingConfig
 from taps.decode import chat_ids, generate
 from taps.target import Target
 
@@ -75,34 +82,74 @@ def first_rows(path: Path, n: int) -> list[dict]:
     return rows
 
 
+# FastChat's MT-Bench answer generation (gen_model_answer.py, temperature_config): per category.
+MT_BENCH_TEMPERATURE = {"writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0,
+                        "reasoning": 0.0, "stem": 0.1, "humanities": 0.1}
+
+
+@dataclass
+class ChatMeasures:
+    """Repetition and on-topic measures of answers to n questions."""
+
+    distinct_4gram_mean: float
+    distinct_4gram_min: float
+    question_word_recall: float  # mean share of the answer's own question's content words it uses
+    question_word_recall_chance: float  # the same share for the other questions (ignoring the question scores this)
+    uses_question_words: float  # share of answers that use at least one word of their question
+    on_topic_share: float  # share of answers using more of their own question's words than of the others' (mean)
+    mean_answer_tokens: float
+
+
+def chat_measures(questions: list[str], answers: list[str], lengths: list[int]) -> ChatMeasures:
+    n = len(questions)
+    shares = [distinct_4gram_share(a) for a in answers]
+    own = [question_word_recall(q, a) for q, a in zip(questions, answers)]
+    other = [sum(question_word_recall(questions[j], a) for j in range(n) if j != i) / max(1, n - 1)
+             for i, a in enumerate(answers)]
+    return ChatMeasures(
+        distinct_4gram_mean=sum(shares) / n, distinct_4gram_min=min(shares),
+        question_word_recall=sum(own) / n, question_word_recall_chance=sum(other) / n,
+        uses_question_words=sum(r > 0 for r in own) / n,
+        on_topic_share=sum(o > c for o, c in zip(own, other)) / n, mean_answer_tokens=sum(lengths) / n)
+
+
 @dataclass
 class TargetCheck:
     gsm8k_questions: int
     gsm8k_format_share: float
     gsm8k_accuracy: float
-    mt_bench_questions: int
-    mt_bench_distinct_4gram_mean: float
-    mt_bench_distinct_4gram_min: float
-    mt_bench_question_word_recall: float  # mean share of the question's content words in the answer
-    mt_bench_uses_question_words: float  # share of answers that use at least one of them
     mean_answer_tokens_gsm8k: float
-    mean_answer_tokens_mt_bench: float
+    mt_bench_questions: int
+    mt_bench_greedy: ChatMeasures
+    mt_bench_sampled: ChatMeasures  # MT-Bench's per-category temperatures, seed = question index
 
 
-def _answer(target: Target, question: str, max_new_tokens: int) -> tuple[str, int]:
+def _answer(target: Target, question: str, max_new_tokens: int, temperature: float = 0.0,
+            seed: int = 0) -> tuple[str, int]:
     tok = target.tokenizer
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids())
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids(),
+                       sampling=SamplingConfig(temperature=temperature), seed=seed)
     result = generate(target, None, chat_ids(tok, [{"role": "user", "content": question}]), cfg)
     stop = set(cfg.stop_token_ids)
     return tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True), len(result.tokens)
 
 
+def mt_bench_temperature(row: dict) -> float:
+    category = row.get("category")
+    if category not in MT_BENCH_TEMPERATURE:
+        raise ValueError(f"MT-Bench question {row.get('question_id')}: category {category!r}, expected one of "
+                         f"{sorted(MT_BENCH_TEMPERATURE)}")
+    return MT_BENCH_TEMPERATURE[category]
+
+
 def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_tokens: int = 256,
                  samples: list | None = None) -> TargetCheck:
-    """Greedy answers to the first n GSM8K-test and n MT-Bench questions (first turn)."""
+    """Greedy answers to the first n GSM8K-test questions; greedy and MT-Bench-protocol answers
+    to the first n MT-Bench questions (first turn)."""
     data_dir = Path(data_dir)
     gsm = first_rows(data_dir / "gsm8k" / "test.jsonl", n)
     mt = first_rows(data_dir / "mt_bench" / "question.jsonl", n)
+    temperatures = [mt_bench_temperature(row) for row in mt]  # checked before any decoding
     fmt, correct, gsm_len = 0, 0, 0
     for row in gsm:
         answer, length = _answer(target, row["question"], max_new_tokens)
@@ -111,20 +158,22 @@ def check_target(target: Target, data_dir: str | Path, n: int = 20, max_new_toke
         gsm_len += length
         if samples is not None:
             samples.append({"bench": "gsm8k", "question": row["question"], "answer": answer})
-    shares, recalls, mt_len = [], [], 0
-    for row in mt:
-        answer, length = _answer(target, row["turns"][0], max_new_tokens)
-        shares.append(distinct_4gram_share(answer))
-        recalls.append(question_word_recall(row["turns"][0], answer))
-        mt_len += length
-        if samples is not None:
-            samples.append({"bench": "mt_bench", "question": row["turns"][0], "answer": answer})
+    questions = [row["turns"][0] for row in mt]
+    measures = {}
+    for mode in ("greedy", "sampled"):
+        answers, lengths = [], []
+        for i, (question, temp) in enumerate(zip(questions, temperatures)):
+            answer, length = _answer(target, question, max_new_tokens, temp if mode == "sampled" else 0.0, seed=i)
+            answers.append(answer)
+            lengths.append(length)
+            if samples is not None:
+                samples.append({"bench": "mt_bench", "decoding": mode if mode == "greedy" else f"T={temp}",
+                                "question": question, "answer": answer})
+        measures[mode] = chat_measures(questions, answers, lengths)
     return TargetCheck(
         gsm8k_questions=len(gsm), gsm8k_format_share=fmt / len(gsm), gsm8k_accuracy=correct / len(gsm),
-        mt_bench_questions=len(mt), mt_bench_distinct_4gram_mean=sum(shares) / len(shares),
-        mt_bench_distinct_4gram_min=min(shares), mt_bench_question_word_recall=sum(recalls) / len(recalls),
-        mt_bench_uses_question_words=sum(r > 0 for r in recalls) / len(recalls),
-        mean_answer_tokens_gsm8k=gsm_len / len(gsm), mean_answer_tokens_mt_bench=mt_len / len(mt))
+        mean_answer_tokens_gsm8k=gsm_len / len(gsm), mt_bench_questions=len(mt),
+        mt_bench_greedy=measures["greedy"], mt_bench_sampled=measures["sampled"])
 
 
 def as_dict(check: TargetCheck) -> dict:

@@ -2,13 +2,14 @@
 
 The target is a small LlamaForCausalLM trained on whole conversations from English ShareGPT
 (chat) and GSM8K train (math), a fixed share of every batch from each domain (half by default),
-so both are well represented whatever their sizes. Everything derives from the seed: the held-out split, the
-tokenizer, the packing order and the batch order (block k of a domain is a pure function of k),
+so both are well represented whatever their sizes. Training blocks are cut anywhere in the packed
+corpus or (pack="conversations") each at a conversation's start. Everything derives from the seed:
+the held-out split, the tokenizer, the packing order and the batch order (block k of a domain is a pure function of k),
 so an interrupted run resumes from its last checkpoint to the same weights.
 
 Work directory (resumable):      out directory (the shipped model):
     split.json  tokenizer/           config.json  model.safetensors (bf16)
-    tokens-*.npy                     tokenizer.json  tokenizer_config.json
+    tokens-*.npy  starts-*.npy       tokenizer.json  tokenizer_config.json
     ckpt/step-*/  ckpt/latest        generation_config.json  recipe.json
     log.jsonl
 """
@@ -47,6 +48,7 @@ class TargetRecipe:
     intermediate_size: int = 704
     max_positions: int = 2048
     seq_len: int = 512
+    pack: str = "stream"  # training blocks: "stream" (any offset) or "conversations" (each starts a conversation)
     batch_size: int = 8  # sequences per step
     math_share: float = 0.5  # of each batch; both domains always get at least one sequence
     steps: int = 2000
@@ -66,7 +68,7 @@ class TargetRecipe:
     init_from: str | None = None  # continue training a target built by this recipe (its tokenizer, weights, split)
     threads: int | None = None
     device: str = "cpu"  # "auto": a GPU when there is one
-    mixed_precision: str = "no"  # "bf16": autocast the forward (GPUs); weights and optimizer stay fp32
+    mixed_precision: str = "no"  # "bf16": autocast the forward (GPUs, AMX CPUs); weights and optimizer stay fp32
     extra: dict = field(default_factory=dict)
 
 
@@ -143,24 +145,42 @@ def tokenizer_texts(splits, budget_chars: int):
                 break
 
 
-def encode_domain(tokenizer, records: list[dict], max_tokens: int | None) -> np.ndarray:
-    """Render each conversation with the chat template, tokenize, cut, concatenate: [tokens] int32."""
+def encode_domain(tokenizer, records: list[dict], max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Render each conversation with the chat template, tokenize, cut, concatenate.
+    Returns the tokens [n_tokens] int32 and each conversation's start offset [n_records] int64."""
     texts = [tokenizer.apply_chat_template(r["conversations"], tokenize=False) for r in records]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     if max_tokens:
         ids = [x[:max_tokens] for x in ids]
-    return np.fromiter((t for x in ids for t in x), dtype=np.int32)
+    starts = np.cumsum([0] + [len(x) for x in ids[:-1]], dtype=np.int64)
+    return np.fromiter((t for x in ids for t in x), dtype=np.int32), starts
+
+
+def conversation_block_starts(starts: np.ndarray, n_tokens: int, seq_len: int) -> np.ndarray:
+    """Offsets of blocks that each begin at a conversation start and do not overlap: a block holds
+    the conversations that follow its start, the last one cut at the block's end (its rest is not
+    trained on). So every answer in a block sees its question, which a block at an arbitrary offset
+    often cuts away. [n_blocks] int64"""
+    out, end = [], 0
+    for s in starts.tolist():
+        if s >= end and s + seq_len <= n_tokens:
+            out.append(s)
+            end = s + seq_len
+    return np.asarray(out, dtype=np.int64)
 
 
 class BlockStream:
     """Fixed-length blocks of a packed token array; block k is a pure function of (seed, k), so
     training resumes at any step with no stored data position."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
-        n = len(tokens) // seq_len
-        if n == 0:
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, block_starts: np.ndarray | None = None):
+        """block_starts=None: consecutive blocks from offset 0; else the blocks at these offsets."""
+        if block_starts is None:
+            block_starts = np.arange(len(tokens) // seq_len, dtype=np.int64) * seq_len
+        if len(block_starts) == 0:
             raise ValueError(f"only {len(tokens)} tokens: not one block of {seq_len}")
-        self.blocks = torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, seq_len)  # [n, seq_len]
+        index = block_starts[:, None] + np.arange(seq_len)[None, :]  # [n, seq_len]
+        self.blocks = torch.from_numpy(tokens[index].astype(np.int64))  # [n, seq_len]
         self.seed = seed
 
     def __len__(self) -> int:
@@ -269,10 +289,16 @@ def prepare(recipe: TargetRecipe, work: Path):
 
     tok_dir = work / "tokenizer"
     arrays = {(d, s): work / f"tokens-{d}-{s}.npy" for d in DOMAINS for s in ("train", "heldout")}
+    starts = {k: p.with_name(p.name.replace("tokens-", "starts-")) for k, p in arrays.items()}
     if tok_dir.is_dir() and all(p.is_file() for p in arrays.values()):
         check_data_settings(recipe, work)
+        missing = [str(p) for p in starts.values() if not p.is_file()]
+        if recipe.pack == "conversations" and missing:
+            raise ValueError(f"{missing[0]}: missing (this work directory predates conversation packing); "
+                             "use another --work or --pack stream")
         log(f"reusing tokenizer and token arrays in {work}")
-        return AutoTokenizer.from_pretrained(tok_dir), {k: np.load(p) for k, p in arrays.items()}
+        return AutoTokenizer.from_pretrained(tok_dir), {k: np.load(p) for k, p in arrays.items()}, \
+            {k: np.load(p) for k, p in starts.items() if p.is_file()}
     (work / "data-settings.json").write_text(json.dumps({k: getattr(recipe, k) for k in DATA_FIELDS}, indent=1))
     splits = split_domains(load_domains(recipe), recipe.holdout_frac, recipe.seed)
     filter_chat(splits, recipe)
@@ -285,14 +311,26 @@ def prepare(recipe: TargetRecipe, work: Path):
         tokenizer = train_tokenizer(tokenizer_texts(splits, recipe.tokenizer_chars), recipe.vocab_size)
     save_tokenizer(tokenizer, tok_dir)
     log(f"tokenizer: {len(tokenizer)} tokens, {'reused' if recipe.init_from else 'trained'} in {time.time() - t0:.0f}s")
-    tokens = {}
+    tokens, offsets = {}, {}
     for (d, s), path in arrays.items():
         cut = recipe.chat_max_tokens if d == "chat" else None
-        tokens[(d, s)] = encode_domain(tokenizer, splits[d][s], cut)
-        np.save(path.with_suffix(".tmp.npy"), tokens[(d, s)])
-        os.replace(path.with_suffix(".tmp.npy"), path)
+        tokens[(d, s)], offsets[(d, s)] = encode_domain(tokenizer, splits[d][s], cut)
+        # the tokens last: their file marks the cache complete
+        for array, target in ((offsets[(d, s)], starts[(d, s)]), (tokens[(d, s)], path)):
+            np.save(target.with_suffix(".tmp.npy"), array)
+            os.replace(target.with_suffix(".tmp.npy"), target)
         log(f"{d}/{s}: {len(splits[d][s])} conversations, {len(tokens[(d, s)]):,} tokens")
-    return tokenizer, tokens
+    return tokenizer, tokens, offsets
+
+
+def training_blocks(recipe: TargetRecipe, tokens, starts, domain: str) -> np.ndarray | None:
+    """Block offsets of a domain's training split under recipe.pack (None: consecutive blocks).
+    Held-out loss always uses consecutive blocks, so it compares across packings."""
+    if recipe.pack == "stream":
+        return None
+    if recipe.pack != "conversations":
+        raise ValueError(f"pack {recipe.pack!r}: expected 'stream' or 'conversations'")
+    return conversation_block_starts(starts[(domain, "train")], len(tokens[(domain, "train")]), recipe.seq_len)
 
 
 def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Path:
@@ -303,9 +341,14 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     per_domain = sequences_per_domain(recipe)
     device = resolve_device(recipe.device)
     autocast(device, recipe.mixed_precision)  # checks the setting before any work
+    if recipe.pack not in ("stream", "conversations"):
+        raise ValueError(f"pack {recipe.pack!r}: expected 'stream' or 'conversations'")
     prior = prior_run(recipe)  # checked before any work: --init-from must be a target this recipe built
-    tokenizer, tokens = prepare(recipe, work)
-    train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i) for i, d in enumerate(DOMAINS)}
+    tokenizer, tokens, starts = prepare(recipe, work)
+    train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i,
+                            training_blocks(recipe, tokens, starts, d)) for i, d in enumerate(DOMAINS)}
+    log("training blocks: " + ", ".join(f"{d} {len(train[d]):,} of {recipe.seq_len}" for d in DOMAINS)
+        + f" ({recipe.pack} packing)")
     offset = prior.get("blocks_seen", {d: 0 for d in DOMAINS})  # a continued run takes the blocks after the last run's
     heldout = {d: BlockStream(tokens[(d, "heldout")], recipe.seq_len, 0) for d in DOMAINS}
 
