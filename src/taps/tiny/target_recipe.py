@@ -4,8 +4,8 @@ The target is a small LlamaForCausalLM trained on whole conversations from Engli
 (chat) and GSM8K train (math), a fixed share of every batch from each domain (half by default),
 so both are well represented whatever their sizes. Training blocks are cut anywhere in the packed
 corpus or (pack="conversations") each at a conversation's start. Everything derives from the seed:
-the held-out split, the tokenizer, the packing order and the batch order (block k of a domain is a pure function of k),
-so an interrupted run resumes from its last checkpoint to the same weights.
+the held-out split, the tokenizer, the packing order and the batch order (block k of a domain is
+a pure function of k), so an interrupted run resumes from its last checkpoint to the same weights.
 
 Work directory (resumable):      out directory (the shipped model):
     split.json  tokenizer/           config.json  model.safetensors (bf16)
@@ -328,8 +328,6 @@ def training_blocks(recipe: TargetRecipe, tokens, starts, domain: str) -> np.nda
     Held-out loss always uses consecutive blocks, so it compares across packings."""
     if recipe.pack == "stream":
         return None
-    if recipe.pack != "conversations":
-        raise ValueError(f"pack {recipe.pack!r}: expected 'stream' or 'conversations'")
     return conversation_block_starts(starts[(domain, "train")], len(tokens[(domain, "train")]), recipe.seq_len)
 
 
