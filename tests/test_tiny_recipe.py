@@ -85,6 +85,24 @@ def test_resume_reaches_the_same_weights(tmp_path, data_dir, monkeypatch):
     a, b = load_file(whole / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # the log of the interrupted run reads like the whole run's: nothing past the checkpoint repeats
+    steps = {name: [json.loads(x)["step"] for x in (tmp_path / f"{name}.work" / "log.jsonl").read_text().splitlines()]
+             for name in ("whole", "cut")}
+    assert steps["cut"] == steps["whole"]
+
+
+def test_a_resume_with_other_training_settings_is_refused(tmp_path, data_dir):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "log.jsonl").write_text(json.dumps({"step": 5, "loss": 9.0}) + "\n")  # a stretch that never checkpointed
+    build_target(toy(data_dir, steps=3), tmp_path / "out", work)
+    assert [json.loads(x) for x in (work / "log.jsonl").read_text().splitlines()][0]["step"] == 3
+    with pytest.raises(ValueError, match="step-000003: this checkpoint was trained with batch_size = 4, this run has 8"):
+        build_target(toy(data_dir, steps=6, batch_size=8), tmp_path / "out2", work)
+    with pytest.raises(ValueError, match="trained with pack = 'stream', this run has 'conversations'"):
+        build_target(toy(data_dir, steps=6, pack="conversations"), tmp_path / "out2", work)
+    build_target(toy(data_dir, steps=6, minutes=60.0), tmp_path / "out2", work)  # more steps, a cap: resumes
+    assert json.loads((tmp_path / "out2" / "recipe.json").read_text())["steps_done"] == 6
 
 
 def test_time_cap_stops_early_and_says_so(tmp_path, data_dir):

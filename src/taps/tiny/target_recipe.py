@@ -5,7 +5,8 @@ The target is a small LlamaForCausalLM trained on whole conversations from Engli
 so both are well represented whatever their sizes. Training blocks are cut anywhere in the packed
 corpus or (pack="conversations") each at a conversation's start. Everything derives from the seed:
 the held-out split, the tokenizer, the packing order and the batch order (block k of a domain is
-a pure function of k), so an interrupted run resumes from its last checkpoint to the same weights.
+a pure function of k), so an interrupted run resumes from its last checkpoint to the same weights;
+a resume with other data or training settings is refused, naming the setting.
 
 Work directory (resumable):      out directory (the shipped model):
     split.json  tokenizer/           config.json  model.safetensors (bf16)
@@ -270,6 +271,35 @@ DATA_FIELDS = ("chat_source", "math_source", "seed", "vocab_size", "holdout_frac
                "chat_max_answer_words", "chat_drop_code", "tokenizer_chars", "limit_per_domain", "init_from")
 
 
+# what a checkpoint's weights and optimizer state depend on besides the data: a resume must keep them
+# (`steps` may grow, to extend a run; `minutes`, threads, device and autocast may change freely)
+TRAIN_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "max_positions", "seq_len",
+                "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay")
+
+
+def check_resume_settings(recipe: TargetRecipe, ckpt: Path) -> None:
+    """Resuming `ckpt` with other training settings would silently train another model from the
+    middle of this one (other blocks, shapes or schedule), so it is refused by key. Checkpoints
+    written before the settings were recorded are taken as they are."""
+    saved = json.loads((ckpt / "state.json").read_text()).get("extra", {}).get("train_settings", {})
+    for key in TRAIN_FIELDS:
+        if key in saved and saved[key] != getattr(recipe, key):
+            raise ValueError(f"{ckpt}: this checkpoint was trained with {key} = {saved[key]!r}, this run has "
+                             f"{getattr(recipe, key)!r}; resume with the same setting, use another --work, or "
+                             "continue a finished target with new settings through --init-from")
+
+
+def trim_log(path: Path, step: int) -> None:
+    """Keep the log entries of steps up to `step` (the checkpoint resumed; 0: a fresh start), so
+    the log describes the weights: entries of an interrupted stretch past it would repeat."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def check_data_settings(recipe: TargetRecipe, work: Path) -> None:
     """The cached split, tokenizer and token arrays in `work` were made with these settings: a rerun
     with other ones would silently train on the old data, so it is refused (work dirs made before
@@ -358,6 +388,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     step, elapsed_before = 0, 0.0
     ckpt = latest_checkpoint(work / "ckpt")
     if ckpt is not None:
+        check_resume_settings(recipe, ckpt)
         state = load_checkpoint(ckpt, model, optimizer)
         step, elapsed_before = state["step"], state["extra"].get("elapsed_s", 0.0)
         log(f"resumed from {ckpt} at step {step}")
@@ -366,14 +397,21 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
         f"{recipe.batch_size} x {recipe.seq_len} tokens on {device}"
         + (f", threads {torch.get_num_threads()}" if device.type == "cpu" else f", {recipe.mixed_precision} autocast"))
 
+    trim_log(work / "log.jsonl", step)
     logfile = (work / "log.jsonl").open("a")
+    settings = {k: getattr(recipe, k) for k in TRAIN_FIELDS}
+
+    def checkpoint(at_step: int, elapsed_s: float) -> None:
+        save_checkpoint(work / "ckpt", at_step, model, optimizer,
+                        extra={"elapsed_s": elapsed_s, "train_settings": settings})
+
     start, window_t, window_tokens, stopped_early = time.time(), time.time(), 0, False
     model.train()
     while step < recipe.steps:
         if recipe.minutes is not None and elapsed_before + time.time() - start >= recipe.minutes * 60:
             stopped_early = True
             log(f"time cap of {recipe.minutes} min reached at step {step}")
-            save_checkpoint(work / "ckpt", step, model, optimizer, extra={"elapsed_s": elapsed_before + time.time() - start})
+            checkpoint(step, elapsed_before + time.time() - start)
             break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
@@ -407,7 +445,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             logfile.flush()
             log(f"step {step}: {evals}")
         if step % recipe.ckpt_every == 0 or step == recipe.steps:
-            save_checkpoint(work / "ckpt", step, model, optimizer, extra={"elapsed_s": elapsed})
+            checkpoint(step, elapsed)
     logfile.close()
 
     final_eval = {f"heldout_loss_{d}": heldout_loss(model, heldout[d], len(heldout[d]),
