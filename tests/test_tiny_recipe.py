@@ -252,3 +252,13 @@ def test_conversation_packing_trains_and_needs_the_starts_cache(tmp_path, data_d
         build_target(toy(data_dir, pack="conversations", steps=8), tmp_path / "out2", work)
     with pytest.raises(ValueError, match="pack 'rows'"):
         build_target(toy(data_dir, pack="rows"), tmp_path / "out3", tmp_path / "work3")
+
+
+def test_unlikelihood_trains_and_is_logged(tmp_path, data_dir):
+    work = tmp_path / "work"
+    out = build_target(toy(data_dir, steps=10, unlikelihood=1.0), tmp_path / "out", work)
+    assert json.loads((out / "recipe.json").read_text())["recipe"]["unlikelihood"] == 1.0
+    entry = next(json.loads(x) for x in (work / "log.jsonl").read_text().splitlines() if "tokens_per_s" in x)
+    assert entry["unlikelihood"] > 0 and entry["loss"] > entry["ce"]
+    with pytest.raises(ValueError, match="unlikelihood = 1.0, this run has 0.0"):
+        build_target(toy(data_dir, steps=12), tmp_path / "out", work)

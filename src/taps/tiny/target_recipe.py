@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from taps.tiny.lm_objective import lm_loss
 from taps.tiny.tokenizer import END_OF_TURN, save_tokenizer, train_tokenizer
 from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -56,6 +57,7 @@ class TargetRecipe:
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.1
+    unlikelihood: float = 0.0  # weight of token-level unlikelihood against earlier tokens (0: plain cross-entropy)
     minutes: float | None = None  # wall-clock cap; the run stops early (and says so) when it is hit
     eval_every: int = 200
     ckpt_every: int = 100
@@ -274,7 +276,7 @@ DATA_FIELDS = ("chat_source", "math_source", "seed", "vocab_size", "holdout_frac
 # what a checkpoint's weights and optimizer state depend on besides the data: a resume must keep them
 # (`steps` may grow, to extend a run; `minutes`, threads, device and autocast may change freely)
 TRAIN_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "max_positions", "seq_len",
-                "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay")
+                "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay", "unlikelihood")
 
 
 def check_resume_settings(recipe: TargetRecipe, ckpt: Path) -> None:
@@ -417,7 +419,10 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             group["lr"] = learning_rate(recipe, step)
         x = torch.cat([train[d].take(offset[d] + step * per_domain[d], per_domain[d]) for d in DOMAINS]).to(device)  # [B, seq_len]
         with autocast(device, recipe.mixed_precision):
-            loss = model(input_ids=x, labels=x).loss
+            if recipe.unlikelihood > 0:
+                loss, parts = lm_loss(model(input_ids=x).logits, x, recipe.unlikelihood)
+            else:  # the plain objective through transformers' own loss, as every earlier run trained
+                loss, parts = model(input_ids=x, labels=x).loss, {}
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
                                      f"{latest_checkpoint(work / 'ckpt')}")
@@ -433,7 +438,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             eta = (recipe.steps - step) * x.numel() / max(tps, 1e-9)
             entry = {"step": step, "loss": round(float(loss.detach()), 4), "lr": learning_rate(recipe, step - 1),
                      "tokens_per_s": round(tps, 1), "elapsed_s": round(elapsed, 1),
-                     "tokens_seen": step * x.numel()}
+                     "tokens_seen": step * x.numel(), **{k: round(v, 4) for k, v in parts.items()}}
             logfile.write(json.dumps(entry) + "\n")
             logfile.flush()
             log(f"step {step}/{recipe.steps} loss {float(loss.detach()):.3f} {tps:.0f} tok/s ETA {eta / 60:.0f} min")
