@@ -262,3 +262,15 @@ def test_unlikelihood_trains_and_is_logged(tmp_path, data_dir):
     assert entry["unlikelihood"] > 0 and entry["loss"] > entry["ce"]
     with pytest.raises(ValueError, match="unlikelihood = 1.0, this run has 0.0"):
         build_target(toy(data_dir, steps=12), tmp_path / "out", work)
+
+
+def test_sequence_unlikelihood_fine_tuning_runs_and_is_logged(tmp_path, data_dir):
+    base = build_target(toy(data_dir, steps=4), tmp_path / "base", tmp_path / "base.work")
+    with pytest.raises(ValueError, match="seq_unlikelihood needs pack 'conversations'"):
+        build_target(toy(data_dir, init_from=str(base), seq_unlikelihood=1.0), tmp_path / "out", tmp_path / "work")
+    out = build_target(toy(data_dir, steps=10, init_from=str(base), pack="conversations", seq_len=64,
+                           seq_unlikelihood=1.0, seq_prompts=2, seq_new_tokens=8), tmp_path / "out", tmp_path / "work")
+    assert json.loads((out / "recipe.json").read_text())["recipe"]["seq_unlikelihood"] == 1.0
+    entry = next(json.loads(x) for x in (tmp_path / "work" / "log.jsonl").read_text().splitlines()
+                 if "tokens_per_s" in x)
+    assert "seq_unlikelihood" in entry and 0.0 <= entry["seq_repeat_share"] <= 1.0

@@ -29,6 +29,12 @@ def register(sub) -> None:
     b.add_argument("--unlikelihood", type=float, default=0.0,
                    help="weight of token-level unlikelihood against tokens already in the block, which counters "
                         "greedy repetition (Welleck et al. 2019); 0 trains on cross-entropy alone")
+    b.add_argument("--seq-unlikelihood", type=float, default=0.0,
+                   help="weight of sequence-level unlikelihood: each step the model answers --seq-prompts chat "
+                        "questions of its batch greedily and tokens of 4-grams repeated in its answers are pushed "
+                        "down (for fine-tuning with --init-from)")
+    b.add_argument("--seq-prompts", type=int, default=8)
+    b.add_argument("--seq-new-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (a GPU when there is one)")
     b.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
@@ -96,7 +102,9 @@ def _build_target(args) -> int:
                           seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                           pack=args.pack, chat_max_tokens=args.chat_max_tokens,
                           math_share=args.math_share, init_from=args.init_from,
-                          lr=args.lr, unlikelihood=args.unlikelihood, minutes=args.minutes, threads=args.threads, device=args.device,
+                          lr=args.lr, unlikelihood=args.unlikelihood,
+                          seq_unlikelihood=args.seq_unlikelihood, seq_prompts=args.seq_prompts,
+                          seq_new_tokens=args.seq_new_tokens, minutes=args.minutes, threads=args.threads, device=args.device,
                           mixed_precision=args.mixed_precision, hidden_size=args.hidden_size, layers=args.layers,
                           heads=args.heads, kv_heads=args.heads, intermediate_size=args.intermediate_size,
                           chat_max_answer_words=args.chat_max_answer_words, chat_drop_code=args.chat_drop_code)

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from taps.tiny.lm_objective import lm_loss
-from taps.tiny.tokenizer import END_OF_TURN, save_tokenizer, train_tokenizer
+from taps.tiny.seq_unlikelihood import answer_prompts, sequence_unlikelihood
+from taps.tiny.tokenizer import END_OF_TURN, ROLE_TOKENS, save_tokenizer, train_tokenizer
 from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
 
 DOMAINS = ("chat", "math")
@@ -58,6 +59,9 @@ class TargetRecipe:
     warmup: int = 100
     weight_decay: float = 0.1
     unlikelihood: float = 0.0  # weight of token-level unlikelihood against earlier tokens (0: plain cross-entropy)
+    seq_unlikelihood: float = 0.0  # weight of sequence-level unlikelihood on the model's own greedy chat answers
+    seq_prompts: int = 8  # chat questions of each batch answered greedily for it
+    seq_new_tokens: int = 128  # tokens of each of those answers
     minutes: float | None = None  # wall-clock cap; the run stops early (and says so) when it is hit
     eval_every: int = 200
     ckpt_every: int = 100
@@ -276,7 +280,8 @@ DATA_FIELDS = ("chat_source", "math_source", "seed", "vocab_size", "holdout_frac
 # what a checkpoint's weights and optimizer state depend on besides the data: a resume must keep them
 # (`steps` may grow, to extend a run; `minutes`, threads, device and autocast may change freely)
 TRAIN_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "max_positions", "seq_len",
-                "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay", "unlikelihood")
+                "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay", "unlikelihood",
+                "seq_unlikelihood", "seq_prompts", "seq_new_tokens")
 
 
 def check_resume_settings(recipe: TargetRecipe, ckpt: Path) -> None:
@@ -373,6 +378,8 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     autocast(device, recipe.mixed_precision)  # checks the setting before any work
     if recipe.pack not in ("stream", "conversations"):
         raise ValueError(f"pack {recipe.pack!r}: expected 'stream' or 'conversations'")
+    if recipe.seq_unlikelihood > 0 and recipe.pack != "conversations":
+        raise ValueError("seq_unlikelihood needs pack 'conversations': its questions are the openings of blocks")
     prior = prior_run(recipe)  # checked before any work: --init-from must be a target this recipe built
     tokenizer, tokens, starts = prepare(recipe, work)
     train = {d: BlockStream(tokens[(d, "train")], recipe.seq_len, recipe.seed + i,
@@ -402,6 +409,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     trim_log(work / "log.jsonl", step)
     logfile = (work / "log.jsonl").open("a")
     settings = {k: getattr(recipe, k) for k in TRAIN_FIELDS}
+    assistant_id = tokenizer.convert_tokens_to_ids(ROLE_TOKENS["assistant"])
 
     def checkpoint(at_step: int, elapsed_s: float) -> None:
         save_checkpoint(work / "ckpt", at_step, model, optimizer,
@@ -423,6 +431,13 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
                 loss, parts = lm_loss(model(input_ids=x).logits, x, recipe.unlikelihood)
             else:  # the plain objective through transformers' own loss, as every earlier run trained
                 loss, parts = model(input_ids=x, labels=x).loss, {}
+            if recipe.seq_unlikelihood > 0:  # chat rows come first in every batch
+                prompts = answer_prompts(x[:per_domain["chat"]], assistant_id, recipe.seq_prompts, recipe.seq_len // 2)
+                if prompts:
+                    seq_loss, seq_parts = sequence_unlikelihood(model, prompts, tokenizer.pad_token_id,
+                                                                list(model.config.eos_token_id), recipe.seq_new_tokens)
+                    loss = loss + recipe.seq_unlikelihood * seq_loss
+                    parts = {**parts, "seq_unlikelihood": float(seq_loss.detach()), **seq_parts}
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
                                      f"{latest_checkpoint(work / 'ckpt')}")
