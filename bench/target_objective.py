@@ -20,31 +20,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from taps.testing import tiny_model  # noqa: E402
+from _shape import add_shape_args, random_target  # noqa: E402
 from taps.tiny.lm_objective import lm_loss  # noqa: E402
 from taps.tiny.target_recipe import autocast  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
+    add_shape_args(ap, batch=4, steps=5)
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="bf16")
-    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    heads = max(1, args.hidden // 64)
     device = torch.device("cpu")
     weights = {"cross-entropy": 0.0, "+ unlikelihood": 1.0}
-    models = {name: tiny_model("llama", vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
-                               heads=heads, kv_heads=heads, intermediate=int(args.hidden * 2.75),
-                               max_positions=4 * args.seq_len) for name in weights}
+    models = {name: random_target(args) for name in weights}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g)  # [B, T]

@@ -19,29 +19,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _shape import add_shape_args, random_target  # noqa: E402
+
 from taps.drafter.checkpoint import init_head  # noqa: E402
 from taps.target import Target  # noqa: E402
-from taps.testing import tiny_model  # noqa: E402
 from taps.train.losses import Eagle2Config, HassConfig, TrainBatch, eagle2_loss, hass_loss  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    add_shape_args(ap, batch=4, steps=6)
     ap.add_argument("--hass-steps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    heads = max(1, args.hidden // 64)
-    model = tiny_model("llama", vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers, heads=heads,
-                       kv_heads=heads, intermediate=int(args.hidden * 2.75), max_positions=4 * args.seq_len)
+    model = random_target(args)
     target = Target(model)
     model.requires_grad_(False)
     g = torch.Generator().manual_seed(0)
