@@ -84,3 +84,18 @@ def test_generate_strategy_errors(capsys, tmp_path, target_dir):
     assert "single takes exactly one drafter" in capsys.readouterr().err
     assert main(base + ["--strategy", "merge"]) == 2
     assert "needs --drafter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["tiny", "drafter-table"], ["tiny", "build-target"], ["tiny", "build-drafters"],
+                                  ["train"], ["eval"]])
+def test_help_shows_real_defaults_only(capsys, argv):
+    # argparse's stock formatter would print "(default: None)" after help that already says what an
+    # unset option means, e.g. "(default: $TAPS_DATA_DIR)"; ours prints only defaults that exist.
+    from taps.cli import build_parser
+
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([*argv, "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert text.count("(default:") >= 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import add_device_arguments, add_tree_arguments
+from taps.cli_args import DefaultsHelpFormatter, add_device_arguments, add_tree_arguments
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
@@ -42,7 +42,7 @@ def add_decode_arguments(p) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="decode benchmarks with every variant; one JSONL record per question and turn",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--variant", action="append", required=True, type=_variant, metavar="NAME=SPEC",
                    help="repeat; SPEC = baseline | DIR | average[-L]:A,B | route[-confidence|-entropy][-step|-turn]:A,B"
@@ -95,7 +95,7 @@ def _eval(args) -> int:
 def register_study(sub) -> None:
     """`taps reproduce CONFIG` and `taps demo`."""
     r = sub.add_parser("reproduce", help="run a whole study from a YAML config: target, drafters, eval, report",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     r.add_argument("config", help="study config, e.g. configs/tiny.yaml")
     r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
                                       "else $TAPS_DATA_DIR)")
@@ -105,7 +105,7 @@ def register_study(sub) -> None:
     r.set_defaults(func=_reproduce)
 
     d = sub.add_parser("demo", help="a small study on the embedded default: every variant of both backbones",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     d.add_argument("--models", default="models/taps-tiny", help="the embedded default (target/ and drafters/)")
     d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
                                       "else the Hugging Face hub)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from taps.cli_args import DefaultsHelpFormatter
+
 
 def parse_named_drafter(text: str) -> tuple[str, str]:
     """'NAME=DIR' -> (NAME, DIR); a bare 'DIR' (or a path that itself contains '=') -> (its name, DIR)."""
@@ -60,7 +62,7 @@ def _lambdas(text: str) -> list[float]:
 
 def register(sub) -> None:
     p = sub.add_parser("average", help="weight-average drafter heads into a new drafter (or a lambda sweep)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--drafter", action="append", required=True, type=parse_named_drafter, metavar="[NAME=]DIR",
                    help="drafter directory; repeat for each head (at least two)")
     p.add_argument("--weight", action="append", type=float,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from taps.cli_args import DefaultsHelpFormatter
+
 
 def register(sub) -> None:
     p = sub.add_parser("tiny", help="build the embedded tiny chat+math target (and its drafters)")
     tsub = p.add_subparsers(dest="tiny_command", required=True)
     b = tsub.add_parser("build-target", help="train the tiny target from ShareGPT + GSM8K (resumable)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     b.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     b.add_argument("--out", required=True, help="where the finished model is saved (Hugging Face layout)")
     b.add_argument("--work", help="checkpoints, caches and log (default: OUT.work)")
@@ -52,7 +54,7 @@ def register(sub) -> None:
     b.set_defaults(func=_build_target)
 
     d = tsub.add_parser("build-drafters", help="train the chat / math / mixed drafters of both backbones (resumable)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     d.add_argument("--target", required=True, help="the tiny target directory")
     d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     d.add_argument("--out", required=True, help="drafters directory: one <backbone>-<domain>/ per drafter")
@@ -76,13 +78,13 @@ def register(sub) -> None:
     d.set_defaults(func=_build_drafters)
 
     a = tsub.add_parser("drafter-table", help="acceptance length of every drafter on GSM8K-test and MT-Bench",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a.add_argument("--target", required=True)
+                        formatter_class=DefaultsHelpFormatter)
+    a.add_argument("--target", required=True, help="target model directory the drafters were trained for")
     a.add_argument("--drafters", required=True, help="directory of <backbone>-<domain>/ drafters")
     a.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     a.add_argument("--n", type=int, default=20, help="questions per benchmark")
-    a.add_argument("--temperatures", default="0,1")
-    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    a.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap per question")
     a.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun measures only new or retrained drafters")
     a.set_defaults(func=_drafter_table)
 

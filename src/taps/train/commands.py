@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from taps.cli_args import DefaultsHelpFormatter
+
 
 def register(sub) -> None:
     f = sub.add_parser("features", help="target features (hidden states + assistant masks) for drafter training",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     f.add_argument("--target", required=True, help="Hugging Face model directory")
     f.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     f.add_argument("--out", required=True, help="features directory (resumed if it exists)")
@@ -21,7 +23,7 @@ def register(sub) -> None:
     f.set_defaults(func=_features)
 
     t = sub.add_parser("train", help="train an EAGLE-2 or HASS drafter on features (runs under accelerate launch)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelpFormatter)
     t.add_argument("--backbone", choices=["eagle2", "hass"], default="eagle2")
     t.add_argument("--target", required=True)
     t.add_argument("--features", required=True, action="append", metavar="DIR[:LIMIT]",
