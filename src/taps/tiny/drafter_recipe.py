@@ -15,6 +15,7 @@ features and drafters and resumes an interrupted training from its last checkpoi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -173,8 +174,10 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     trainer.fit(progress=progress)
     head_dir = out / name
     head_dir.mkdir(parents=True, exist_ok=True)
-    for file in ("config.json", "model.safetensors", "metrics.jsonl"):  # the shipped drafter: no optimizer
-        shutil.copyfile(run_dir / file, head_dir / file)
+    for file in ("config.json", "metrics.jsonl", "model.safetensors"):  # the shipped drafter: no optimizer
+        # weights last and atomically: a reader (drafter-table, a test) that sees model.safetensors sees all of it
+        shutil.copyfile(run_dir / file, head_dir / f"{file}.tmp")
+        os.replace(head_dir / f"{file}.tmp", head_dir / file)
     epochs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
     entry = {"records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
              "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
