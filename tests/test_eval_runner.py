@@ -113,6 +113,22 @@ def test_rerun_with_other_settings_is_refused(tmp_path, setup):
         run_eval(target, str(target_dir), [renamed], QUESTIONS[1:2], tmp_path, SETTINGS, progress=False)
 
 
+def test_rerun_after_a_drafter_is_retrained_in_place_is_refused(tmp_path, setup):
+    # the same variant name and path, other weights: old records must not pass for the new head's
+    target_dir, _, _ = setup
+    target = Target.load(target_dir)
+    head = write_untrained(target_dir, tmp_path / "heads" / "math", seed=1)
+    variants = [parse_variant(f"math={head}")]
+    out = tmp_path / "results"
+    run_eval(target, str(target_dir), variants, QUESTIONS[1:2], out, SETTINGS, progress=False)
+    before = (out / "records.jsonl").read_bytes()
+    write_untrained(target_dir, head, seed=3)  # retrained in place
+    with pytest.raises(ResultsMismatchError, match="weights of .*math changed"):
+        run_eval(target, str(target_dir), variants, QUESTIONS[1:3], out, SETTINGS, progress=False)
+    assert (out / "records.jsonl").read_bytes() == before
+    assert run_eval(target, str(target_dir), variants, QUESTIONS[1:3], tmp_path / "other", SETTINGS, progress=False) > 0
+
+
 def test_malformed_results_line_is_named(tmp_path, setup):
     target_dir, variants, _ = setup
     (tmp_path / "records.jsonl").write_text('{"variant": "base"}\nnot json\n')

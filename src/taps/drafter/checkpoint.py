@@ -11,6 +11,7 @@ head still "works" and serves acceptance length ~1.0.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -103,6 +104,15 @@ def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc
     _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return out
+
+
+def weights_digest(drafter_dir: str | Path) -> str:
+    """sha256 of a drafter's model.safetensors: results measured with other weights are never reused."""
+    h = hashlib.sha256()
+    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
+from taps.drafter.checkpoint import weights_digest
 from taps.eval.benchmarks import Question
 from taps.eval.records import conversation_key, read_records, record_key, turn_record
 from taps.eval.variants import HeadPool, VariantSpec
@@ -79,7 +80,14 @@ def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings:
     return {"target": str(target_dir), "target_fingerprint": target.fingerprint(),
             "tree": asdict(settings.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
             "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
+            "drafter_weights": drafter_weights(variants),
             "temperatures": list(settings.temperatures), "benches": benches}
+
+
+def drafter_weights(variants: Sequence[VariantSpec]) -> dict[str, str]:
+    """sha256 of every member drafter's weights, by path: a head retrained in place is a new head."""
+    paths = sorted({path for v in variants for _, path in v.drafters})
+    return {p: weights_digest(p) for p in paths if (Path(p) / "model.safetensors").is_file()}
 
 
 def check_run_info(out: Path, info: dict) -> dict:
@@ -97,9 +105,15 @@ def check_run_info(out: Path, info: dict) -> dict:
         if name in old.get("variants", {}) and old["variants"][name] != spec:
             raise ResultsMismatchError(f"{path}: variant {name!r} was {old['variants'][name]}, now {spec}; "
                                        "give the new one another name or use another --out")
+    old_weights = old.get("drafter_weights", {})  # absent in results written before it was recorded
+    changed = sorted(p for p, digest in info["drafter_weights"].items() if p in old_weights and old_weights[p] != digest)
+    if changed:
+        raise ResultsMismatchError(f"{path}: the weights of {', '.join(changed)} changed since these results were "
+                                   "made (retrained?); use another --out so old and new heads are never mixed")
     temperatures = sorted(set(old.get("temperatures", [])) | set(info["temperatures"]))
     benches = {b: max(n, info["benches"].get(b, 0)) for b, n in old.get("benches", {}).items()}
-    return {**old, "variants": {**old.get("variants", {}), **info["variants"]}, "temperatures": temperatures,
+    return {**old, "variants": {**old.get("variants", {}), **info["variants"]},
+            "drafter_weights": {**old_weights, **info["drafter_weights"]}, "temperatures": temperatures,
             "benches": {**info["benches"], **benches}}
 
 

@@ -8,7 +8,6 @@ or settings changed, so a table can grow while heads are still training."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Callable
 
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import chat_ids, generate
-from taps.drafter.checkpoint import load_head
+from taps.drafter.checkpoint import load_head, weights_digest
 from taps.propose.single import SingleProposer
 from taps.target import Target
 from taps.tiny.target_check import first_rows
@@ -66,15 +65,6 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
             on_drafter(name, table)
     bar.close()
     return table
-
-
-def weights_digest(drafter_dir: str | Path) -> str:
-    """sha256 of a drafter's model.safetensors: a retrained head is measured again."""
-    h = hashlib.sha256()
-    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def table_settings(target: Target, n: int, temperatures: tuple[float, ...], max_new_tokens: int, seed: int) -> dict:
