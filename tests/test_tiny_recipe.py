@@ -274,3 +274,10 @@ def test_sequence_unlikelihood_fine_tuning_runs_and_is_logged(tmp_path, data_dir
     entry = next(json.loads(x) for x in (tmp_path / "work" / "log.jsonl").read_text().splitlines()
                  if "tokens_per_s" in x)
     assert "seq_unlikelihood" in entry and 0.0 <= entry["seq_repeat_share"] <= 1.0
+    assert 0 <= entry["seq_skipped_steps"] < entry["step"]
+    # blocks of 8 tokens leave room for no question (4 tokens at most): every step is counted as skipped
+    build_target(toy(data_dir, steps=10, init_from=str(base), pack="conversations", seq_len=8, seq_unlikelihood=1.0,
+                     seq_prompts=2, seq_new_tokens=4), tmp_path / "out8", tmp_path / "work8")
+    entry = next(json.loads(x) for x in (tmp_path / "work8" / "log.jsonl").read_text().splitlines()
+                 if "tokens_per_s" in x)
+    assert entry["seq_skipped_steps"] == entry["step"] == 10 and "seq_unlikelihood" not in entry

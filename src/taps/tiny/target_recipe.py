@@ -395,6 +395,7 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     step, elapsed_before = 0, 0.0
+    seq_skipped = 0  # steps without a sequence-level term (no question short enough)
     ckpt = latest_checkpoint(work / "ckpt")
     if ckpt is not None:
         check_resume_settings(recipe, ckpt)
@@ -438,6 +439,11 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
                                                                 list(model.config.eos_token_id), recipe.seq_new_tokens)
                     loss = loss + recipe.seq_unlikelihood * seq_loss
                     parts = {**parts, "seq_unlikelihood": float(seq_loss.detach()), **seq_parts}
+                else:  # no chat question of this batch fits in half a block: no sequence-level term this step
+                    if not seq_skipped:
+                        log(f"step {step + 1}: no chat question within {recipe.seq_len // 2} tokens, so no "
+                            "sequence-level unlikelihood this step (counted as seq_skipped_steps in the log)")
+                    seq_skipped += 1
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {float(loss)} at step {step}; last good checkpoint: "
                                      f"{latest_checkpoint(work / 'ckpt')}")
@@ -454,6 +460,8 @@ def build_target(recipe: TargetRecipe, out: str | Path, work: str | Path) -> Pat
             entry = {"step": step, "loss": round(float(loss.detach()), 4), "lr": learning_rate(recipe, step - 1),
                      "tokens_per_s": round(tps, 1), "elapsed_s": round(elapsed, 1),
                      "tokens_seen": step * x.numel(), **{k: round(v, 4) for k, v in parts.items()}}
+            if recipe.seq_unlikelihood > 0:
+                entry["seq_skipped_steps"] = seq_skipped  # since this run (re)started
             logfile.write(json.dumps(entry) + "\n")
             logfile.flush()
             log(f"step {step}/{recipe.steps} loss {float(loss.detach()):.3f} {tps:.0f} tok/s ETA {eta / 60:.0f} min")
