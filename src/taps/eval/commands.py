@@ -32,7 +32,7 @@ def _variant(text: str):
 
 def add_decode_arguments(p) -> None:
     """Target, tree and decoding options shared by `taps eval` and the study commands."""
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     add_tree_arguments(p)
@@ -111,7 +111,7 @@ def register_study(sub) -> None:
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default="runs/demo-study", help="results/ and report/ go here; a rerun resumes")
     d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
-    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--max-new-tokens", type=int, default=96, help="answer length cap per turn")
     add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (e.g. 16/5/4)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
