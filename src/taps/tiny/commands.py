@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from taps.cli_args import DefaultsHelpFormatter
 
 

@@ -3,8 +3,6 @@ train/trainer.py."""
 
 from __future__ import annotations
 
-import argparse
-
 from taps.cli_args import DefaultsHelpFormatter
 
 
