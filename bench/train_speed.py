@@ -5,6 +5,11 @@ features (computed by the target once, outside the timing); the backbones altern
 noise hits both alike. Prints tokens/s per backbone and the HASS / EAGLE-2 cost per token.
 
     python bench/train_speed.py [--hidden 256 --layers 6 --vocab 8192 --seq-len 512 --batch 4 --steps 6]
+                                [--mixed-precision bf16]
+
+--mixed-precision bf16 times the steps under bf16 autocast, as `taps train --mixed-precision bf16`
+(and the embedded default's drafter build) runs them; the ratio it prints sets the cost model that
+`taps tiny build-drafters --jobs` balances heads with (taps/tiny/drafter_recipe.py: HASS_COST).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap, batch=4, steps=6)
     ap.add_argument("--hass-steps", type=int, default=3)
+    ap.add_argument("--mixed-precision", choices=("no", "bf16"), default="no")
     args = ap.parse_args()
     model = random_target(args)
     target = Target(model)
@@ -46,7 +52,8 @@ def main() -> None:
     for step in range(args.steps + 1):  # the first round is a warm-up
         for name, (fn, cfg) in runs.items():
             t0 = time.perf_counter()
-            out = fn(heads_by[name], batch, cfg, generator=torch.Generator().manual_seed(step))
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16"):
+                out = fn(heads_by[name], batch, cfg, generator=torch.Generator().manual_seed(step))
             out.loss.backward()
             optims[name].step()
             optims[name].zero_grad(set_to_none=True)
@@ -56,7 +63,7 @@ def main() -> None:
     n_head = sum(p.numel() for p in heads_by["eagle2"].parameters()) / 1e6
     print(f"target: random llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; head {n_head:.2f}M "
           f"parameters; batch {args.batch} x {args.seq_len} tokens; threads {torch.get_num_threads()}; "
-          f"{args.steps} timed steps each, interleaved")
+          f"{args.steps} timed steps each, interleaved; mixed precision {args.mixed_precision}")
     tps = {name: tokens / statistics.median(t) for name, t in times.items()}
     for name in runs:
         print(f"{name:<7} {tps[name]:>9.0f} tokens/s   {1e3 * statistics.median(times[name]):>8.1f} ms/step")

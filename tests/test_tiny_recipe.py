@@ -143,18 +143,15 @@ def test_target_recipe_device_and_mixed_precision(tmp_path, data_dir):
     assert not (tmp_path / "w2" / "tokenizer").exists()  # refused before any work
 
 
-def test_heads_balanced_over_jobs():
-    from taps.tiny.drafter_recipe import balanced_queues, head_costs
+def test_heads_taken_longest_first():
+    from taps.tiny.drafter_recipe import head_costs, longest_first
 
     costs = head_costs({"chat": 900, "math": 300})
     assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
-    heads = list(costs)
-    queues = balanced_queues(heads, costs, 2)
-    assert sorted(h for q in queues for h in q) == sorted(heads)
-    loads = [sum(costs[h] for h in q) for q in queues]
-    assert max(loads) - min(loads) <= min(costs.values())  # LPT: within the smallest head
-    assert queues[0][0] == ("hass", "mixed-large")  # longest first
-    assert len(balanced_queues(heads[:1], costs, 4)) == 1  # no idle workers
+    order = longest_first(list(costs), costs)
+    assert sorted(order) == sorted(costs)
+    assert [costs[h] for h in order] == sorted(costs.values(), reverse=True)
+    assert order[0] == ("hass", "mixed-large") and order[-1] == ("eagle2", "math")
 
 
 def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):

@@ -68,8 +68,9 @@ def register(sub) -> None:
     d.add_argument("--threads", type=int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
     d.add_argument("--device", default="cpu", help="where the target and the heads run: cpu, cuda or auto")
     d.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast for the heads (GPUs; AMX CPUs too)")
-    d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes "
-                                                       "balanced by cost (on a CPU: one per core)")
+    d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes; "
+                                                       "each takes the next head, longest first, when it finishes "
+                                                       "one (on a CPU: one per core)")
     d.add_argument("--checkpoint-steps", type=int, default=100, help="also checkpoint every N steps (resume point)")
     d.add_argument("--chat-source", default="sharegpt")
     d.add_argument("--math-source", default="gsm8k:train")

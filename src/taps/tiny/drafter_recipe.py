@@ -74,7 +74,10 @@ def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
             "mixed-large": [str(features["chat"]), str(features["math"])]}[domain]
 
 
-HASS_COST = 3.0  # HASS's three aligned steps cost ~3x EAGLE-2 per token (bench/train_speed.py)
+# HASS's three aligned steps cost ~3x EAGLE-2 per token: bench/train_speed.py measured 3.6x (fp32) and
+# 3.8x (bf16) on dense random batches on an AMD Zen 5 core, while an earlier build's logs (bf16, real
+# features, an AMX CPU) read nearer 1.3x. Only the order of the heads depends on it (longest_first).
+HASS_COST = 3.0
 
 
 def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
@@ -85,15 +88,11 @@ def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
     return {(b, d): per_domain[d] * (HASS_COST if b == "hass" else 1.0) for b in BACKBONES for d in DOMAINS}
 
 
-def balanced_queues(heads: list[tuple[str, str]], costs: dict[tuple[str, str], float], jobs: int) -> list[list]:
-    """Longest job first onto the least loaded queue (LPT): no queue ends far after the others."""
-    queues: list[list] = [[] for _ in range(min(jobs, len(heads)))]
-    loads = [0.0] * len(queues)
-    for head in sorted(heads, key=lambda h: -costs[h]):
-        i = loads.index(min(loads))
-        queues[i].append(head)
-        loads[i] += costs[head]
-    return queues
+def longest_first(heads: list[tuple[str, str]], costs: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
+    """The order workers take heads in. Each worker takes the next head when it finishes one, so
+    longest first keeps any worker from ending far after the others (the LPT rule) even when the
+    cost model is off: it only orders the heads, it does not fix who trains which."""
+    return sorted(heads, key=lambda h: -costs[h])
 
 
 @contextmanager
@@ -186,8 +185,10 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     log(f"{name}: {entry['final']}")
 
 
-def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, heads: list, threads: int) -> None:
-    """One process of `--jobs N`: trains its queue of heads in order, with its share of the cores."""
+def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: list, taken, threads: int,
+            index: int) -> None:
+    """One process of `--jobs N`: takes the next untaken head of `order` (a shared counter) until
+    none is left, with its share of the cores."""
     import torch
 
     from taps.target import Target
@@ -195,27 +196,34 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, heads: 
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}
-    for backbone, domain in heads:
+    while True:
+        with taken.get_lock():
+            i = taken.value
+            taken.value += 1
+        if i >= len(order):
+            return
+        backbone, domain = order[i]
+        log(f"worker {index}: {backbone}-{domain}")
         _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
 
 
-def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, queues: list[list]) -> None:
+def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, order: list, jobs: int) -> None:
     import multiprocessing
     import os
 
-    threads = recipe.threads or max(1, (os.cpu_count() or 1) // len(queues))
+    jobs = min(jobs, len(order))
+    threads = recipe.threads or max(1, (os.cpu_count() or 1) // jobs)
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
-    procs = []
-    for i, queue in enumerate(queues):
-        log(f"worker {i}: {', '.join(f'{b}-{d}' for b, d in queue)} ({threads} thread(s))")
-        proc = ctx.Process(target=_worker, args=(recipe, str(target_dir), str(out), str(work), queue, threads))
+    taken = ctx.Value("i", 0)  # heads of `order` handed out so far
+    log(f"{jobs} workers ({threads} thread(s) each) take the heads in this order: "
+        f"{', '.join(f'{b}-{d}' for b, d in order)}")
+    procs = [ctx.Process(target=_worker, args=(recipe, str(target_dir), str(out), str(work), order, taken, threads, i))
+             for i in range(jobs)]
+    for proc in procs:
         proc.start()
-        procs.append((proc, queue))
-    failed = []
-    for proc, queue in procs:
+    for proc in procs:
         proc.join()
-        if proc.exitcode != 0:
-            failed += [f"{b}-{d}" for b, d in queue if not _is_done(out, f"{b}-{d}")]
+    failed = [f"{b}-{d}" for b, d in order if not _is_done(out, f"{b}-{d}")]
     if failed:
         raise RuntimeError(f"drafter training failed for {', '.join(failed)} (see the worker's traceback above); "
                            f"rerun the same command to resume from the last checkpoints")
@@ -224,7 +232,8 @@ def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, queue
 def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Path, work: str | Path,
                    jobs: int = 1) -> dict:
     """Train every (backbone, domain) head not yet in OUT; `jobs` > 1 trains them in that many
-    processes at once, balanced by cost (on a CPU one thread each beats two threads per head)."""
+    processes at once, each taking the next head, longest first, when it finishes one (on a CPU one
+    thread each beats two threads per head)."""
     import torch
 
     from taps.target import Target
@@ -249,7 +258,7 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
                 pending.append((backbone, domain))
     if jobs > 1 and len(pending) > 1:
         del target
-        _run_workers(recipe, target_dir, out, work, balanced_queues(pending, head_costs(tokens), jobs))
+        _run_workers(recipe, target_dir, out, work, longest_first(pending, head_costs(tokens)), jobs)
     else:
         for backbone, domain in pending:
             _train_head(recipe, target, features, out, work, backbone, domain)
