@@ -1,5 +1,6 @@
-"""The shipped embedded default (models/taps-tiny): it loads strictly, its chat template gives the
-right assistant mask, and speculative decoding on it is token-identical to plain decoding."""
+"""The shipped embedded default (models/taps-tiny), and the next one while it is built in
+models/taps-tiny-next: each loads strictly, its chat template gives the right assistant mask, and
+speculative decoding on it is token-identical to plain decoding with every drafter it has so far."""
 
 from pathlib import Path
 
@@ -14,25 +15,31 @@ from taps.propose.single import SingleProposer
 from taps.target import Target
 from taps.tiny.tokenizer import END_OF_TURN
 
-ROOT = Path(__file__).resolve().parents[1] / "models" / "taps-tiny"
-DRAFTERS = sorted(p for p in (ROOT / "drafters").glob("*") if (p / "model.safetensors").is_file())
+MODELS = Path(__file__).resolve().parents[1] / "models"
+# the shipped default, and the staged next one (committed piece by piece while it is built) if present
+ROOTS = [MODELS / "taps-tiny"] + [p for p in [MODELS / "taps-tiny-next"] if (p / "target" / "config.json").is_file()]
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
            "How many clips did Natalia sell altogether in April and May?",
            "Write a short poem about the sea."]
 
 
+@pytest.fixture(scope="module", params=ROOTS, ids=[p.name for p in ROOTS])
+def root(request) -> Path:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def target():
-    return Target.load(ROOT / "target", device="cpu", dtype="float32")
+def target(root):
+    return Target.load(root / "target", device="cpu", dtype="float32")
 
 
-def test_loads_with_transformers_alone():
+def test_loads_with_transformers_alone(root):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "target")
-    tok = AutoTokenizer.from_pretrained(ROOT / "target")
+    model = AutoModelForCausalLM.from_pretrained(root / "target")
+    tok = AutoTokenizer.from_pretrained(root / "target")
     assert model.config.model_type == "llama" and len(tok) == model.config.vocab_size
-    assert (ROOT / "target" / "model.safetensors").stat().st_size < 25 * 2**20
+    assert (root / "target" / "model.safetensors").stat().st_size < 25 * 2**20
 
 
 def test_chat_template_round_trip(target):
@@ -45,13 +52,13 @@ def test_chat_template_round_trip(target):
     assert tok.convert_tokens_to_ids(END_OF_TURN) in target.stop_token_ids()
 
 
-def heads(target):
+def heads(root, target):
     yield "untrained", init_head(target.model.config, seed=0).bind(target.embed_tokens, target.lm_head)
-    for path in DRAFTERS:
+    for path in sorted(p for p in (root / "drafters").glob("*") if (p / "model.safetensors").is_file()):
         yield path.name, load_head(path, target)[0]  # strict load of every shipped drafter
 
 
-def test_speculative_equals_plain(target):
+def test_speculative_equals_plain(root, target):
     cfg = DecodeConfig(max_new_tokens=48, stop_token_ids=target.stop_token_ids())
     for prompt in PROMPTS:
         ids = chat_ids(target.tokenizer, [{"role": "user", "content": prompt}])
@@ -60,5 +67,5 @@ def test_speculative_equals_plain(target):
             ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                         max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
         assert plain == ref[:len(plain)]
-        for name, head in heads(target):
+        for name, head in heads(root, target):
             assert generate(target, SingleProposer(head, TreeConfig()), ids, cfg).tokens == plain, name
