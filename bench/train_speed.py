@@ -10,6 +10,10 @@ noise hits both alike. Prints tokens/s per backbone and the HASS / EAGLE-2 cost 
 --mixed-precision bf16 times the steps under bf16 autocast, as `taps train --mixed-precision bf16`
 (and the embedded default's drafter build) runs them; the ratio it prints sets the cost model that
 `taps tiny build-drafters --jobs` balances heads with (taps/tiny/drafter_recipe.py: HASS_COST).
+
+--compile also times both backbones with the loss's vocabulary-sized terms torch.compile'd
+(`taps train --compile`), interleaved with the eager ones, and prints compiled / eager speedups.
+The one-off compile happens in the warm-up round, outside the timing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> None:
     add_shape_args(ap, batch=4, steps=6)
     ap.add_argument("--hass-steps", type=int, default=3)
     ap.add_argument("--mixed-precision", choices=("no", "bf16"), default="no")
+    ap.add_argument("--compile", action="store_true", help="also time the compiled loss, side by side")
     args = ap.parse_args()
     model = random_target(args)
     target = Target(model)
@@ -46,6 +51,9 @@ def main() -> None:
                        lengths=torch.full((args.batch,), args.seq_len))
     # as the trainer runs them: no top-1 metric on training steps
     runs = {"eagle2": (eagle2_loss, Eagle2Config(top1=False)), "hass": (hass_loss, HassConfig(steps=args.hass_steps, top1=False))}
+    if args.compile:
+        runs.update({"eagle2+c": (eagle2_loss, Eagle2Config(top1=False, compile=True)),
+                     "hass+c": (hass_loss, HassConfig(steps=args.hass_steps, top1=False, compile=True))})
     heads_by = {name: init_head(model.config, seed=0).bind(target.embed_tokens, target.lm_head) for name in runs}
     optims = {name: torch.optim.AdamW(h.parameters(), lr=1e-4) for name, h in heads_by.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -66,8 +74,11 @@ def main() -> None:
           f"{args.steps} timed steps each, interleaved; mixed precision {args.mixed_precision}")
     tps = {name: tokens / statistics.median(t) for name, t in times.items()}
     for name in runs:
-        print(f"{name:<7} {tps[name]:>9.0f} tokens/s   {1e3 * statistics.median(times[name]):>8.1f} ms/step")
+        print(f"{name:<8} {tps[name]:>9.0f} tokens/s   {1e3 * statistics.median(times[name]):>8.1f} ms/step")
     print(f"HASS / EAGLE-2 cost per token: {tps['eagle2'] / tps['hass']:.2f}x (HASS runs {args.hass_steps} aligned steps)")
+    if args.compile:
+        print(f"compiled / eager: EAGLE-2 {tps['eagle2+c'] / tps['eagle2']:.2f}x, HASS {tps['hass+c'] / tps['hass']:.2f}x "
+              f"(HASS / EAGLE-2 compiled: {tps['eagle2+c'] / tps['hass+c']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from taps.train.losses import (
     Eagle2Config, HassConfig, TrainBatch, aligned_outputs, alignment_mask, eagle2_loss, hass_loss, head_pairs,
     pad_batch, step_terms,
 )
+from taps.train.trainer import has_compiler
 from taps.tree import additive_mask
 
 NO_NOISE = dict(noise_width=0.0)
@@ -319,3 +320,38 @@ def test_skipping_the_top1_metric_changes_no_loss_or_gradient(target, batch, los
     (on, grads_on), (off, grads_off) = run(True), run(False)
     assert torch.equal(on.loss, off.loss) and all(torch.equal(grads_on[n], grads_off[n]) for n in grads_on)
     assert all(0.0 <= float(s.top1) <= 1.0 for s in on.steps) and all(torch.isnan(s.top1) for s in off.steps)
+
+
+@pytest.mark.skipif(not has_compiler(), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("loss_fn, cfg", [(eagle2_loss, Eagle2Config()), (hass_loss, HassConfig())])
+def test_compiled_loss_equals_eager(target, batch, loss_fn, cfg):
+    """The compiled vocabulary-sized terms give the eager loss, metrics and gradients (up to float
+    summation order), under bf16 autocast as training runs them and in fp32."""
+    head = make_head(target)
+
+    def run(compiled: bool, bf16: bool):
+        head.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = loss_fn(head, batch, replace(cfg, compile=compiled), torch.Generator().manual_seed(3))
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in head.named_parameters()}
+
+    for bf16 in (False, True):
+        (eager, g_eager), (comp, g_comp) = run(False, bf16), run(True, bf16)
+        assert torch.allclose(comp.loss, eager.loss, rtol=1e-5, atol=1e-6)
+        for a, b in zip(comp.steps, eager.steps):
+            for name in ("feature", "token", "distill", "count"):
+                assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6), name
+        for n in g_eager:
+            assert torch.allclose(g_comp[n], g_eager[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_compile_without_a_compiler_is_refused(monkeypatch):
+    import shutil
+
+    from taps.train.trainer import TrainingError, require_compiler
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(TrainingError, match="needs a C.. compiler"):
+        require_compiler(torch.device("cpu"))
+    require_compiler(torch.device("meta"))  # accelerators compile with Triton: nothing to check here

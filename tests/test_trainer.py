@@ -69,6 +69,17 @@ def test_train_end_to_end(tmp_path, target, features, backbone):
             hf_greedy(target.model, prompt, 12)
 
 
+@pytest.mark.skipif(not trainer_mod.has_compiler(), reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_loss_trains_to_the_eager_weights(tmp_path, target, features):
+    """--compile changes how the loss is computed, not what: the same run reaches the same head
+    (up to float summation order), and the choice is recorded in the drafter's config."""
+    eager = weights(fit(target, features, tmp_path / "eager", backbone="hass"))
+    out = fit(target, features, tmp_path / "compiled", backbone="hass", compile_loss=True)
+    for name, w in weights(out).items():
+        assert torch.allclose(w, eager[name], rtol=1e-3, atol=1e-5), name
+    assert load_head(out, target)[1].extra["train_config"]["compile_loss"] is True
+
+
 def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch):
     whole = fit(target, features, tmp_path / "whole", backbone="hass")
     real_save = Trainer._save

@@ -68,6 +68,8 @@ def register(sub) -> None:
     d.add_argument("--threads", type=int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
     d.add_argument("--device", default="cpu", help="where the target and the heads run: cpu, cuda or auto")
     d.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast for the heads (GPUs; AMX CPUs too)")
+    d.add_argument("--compile", action="store_true", help="torch.compile the heads' vocabulary-sized loss terms "
+                                                             "(as `taps train --compile`)")
     d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes; "
                                                        "each takes the next head, longest first, when it finishes "
                                                        "one (on a CPU: one per core)")
@@ -162,7 +164,7 @@ def _build_drafters(args) -> int:
                            n_per_domain=args.n, max_len=args.max_len, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
                            checkpoint_steps=args.checkpoint_steps, device=args.device,
-                           mixed_precision=args.mixed_precision,
+                           mixed_precision=args.mixed_precision, compile_loss=args.compile,
                            backbones=tuple(args.backbones.split(",")), domains=tuple(args.domains.split(",")))
     build_drafters(recipe, args.target, args.out, args.work or f"{args.out.rstrip('/')}.work", jobs=args.jobs)
     return 0

@@ -45,6 +45,7 @@ class DrafterRecipe:
     dtype: str = "float32"  # the target's weights
     feature_dtype: str = "fp32"  # stored features: fp32 for exact CPU runs, bf16 at 8B scale
     mixed_precision: str = "no"  # the heads' training: "bf16" autocast on GPUs
+    compile_loss: bool = False  # torch.compile the heads' vocabulary-sized loss terms
     checkpoint_steps: int | None = 100  # besides every epoch end, so a killed run loses little
 
 
@@ -159,7 +160,8 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     name = f"{backbone}-{domain}"
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
                       warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
-                      checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision)
+                      checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision,
+                      compile_loss=recipe.compile_loss)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
     # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
     # (cpu=False is accelerate's default, so CPU-only machines see no difference)

@@ -127,12 +127,19 @@ class Eagle2Config:
 
     top1: compute the top-1 agreement metric (an argmax over the vocabulary per step, ~9% of a
     HASS step on a CPU); training steps skip it (NaN), evaluation needs it. The loss is the same.
+
+    compile: run the vocabulary-sized terms (log-softmax, soft cross-entropy, top-K distillation)
+    through torch.compile, which fuses their passes over [positions, vocabulary] into one kernel.
+    The same loss up to float summation order; those passes are about half of a HASS step on a CPU
+    (`python bench/train_speed.py --compile` measures it side by side). Needs a C++ compiler on the
+    CPU (Triton on GPUs) and compiles once per process.
     """
 
     feature_weight: float = 1.0
     token_weight: float = 0.1
     noise_width: float = 0.2
     top1: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("feature_weight", "token_weight", "noise_width"):
@@ -220,9 +227,36 @@ def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H]
     return torch.softmax(head.logits(targets).float(), dim=-1)
 
 
+def soft_target_terms(logits: Tensor, q: Tensor, top_q: Tensor | None, top_x: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per position: the soft cross-entropy -sum_x q(x) log p(x) and the top-K distillation
+    -sum_{x in top-K of q} q(x) log p(x) (0 without top_q/top_x), p = softmax(logits).
+
+    logits [..., V] (any float dtype; computed in fp32), q [..., V], top_q / top_x [..., K];
+    returns two [...] tensors. Kept free of anything but tensor maths so torch.compile can fuse it.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
+    token = -(q * logp).sum(-1)  # [...]
+    if top_x is None:
+        return token, torch.zeros_like(token)
+    return token, -(top_q * logp.gather(-1, top_x)).sum(-1)  # [...], [...]
+
+
+_compiled_soft_target_terms = None
+
+
+def _soft_terms(compiled: bool):
+    """soft_target_terms, or its torch.compile'd twin (compiled on first use, once per process)."""
+    global _compiled_soft_target_terms
+    if not compiled:
+        return soft_target_terms
+    if _compiled_soft_target_terms is None:
+        _compiled_soft_target_terms = torch.compile(soft_target_terms, dynamic=True)
+    return _compiled_soft_target_terms
+
+
 def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
                topk: int | None, q_top: tuple[Tensor, Tensor] | None = None,
-               q_argmax: Tensor | None = None, top1: bool = True) -> StepLoss:
+               q_argmax: Tensor | None = None, top1: bool = True, compiled: bool = False) -> StepLoss:
     """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
     as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
     (even inf) there cannot leak into the mean.
@@ -231,7 +265,8 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     the target's distribution softmax(lm_head(targets)) (computed once, shared by all steps);
     weight [B, T] bool; topk None means no distillation term. q_top (values, indices of q's top-K)
     and q_argmax depend on q only: HASS computes them once for all its steps. top1=False leaves
-    the agreement metric NaN (it does not enter the loss).
+    the agreement metric NaN (it does not enter the loss). compiled: the vocabulary-sized terms
+    through torch.compile (Eagle2Config.compile).
     """
     count = weight.sum()  # []
     denom = count.clamp(min=1).float()  # []
@@ -239,14 +274,12 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     def mean(per_position: Tensor) -> Tensor:  # [B, T] -> []
         return torch.where(weight, per_position, torch.zeros_like(per_position)).sum() / denom
 
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
     feature = F.smooth_l1_loss(predicted.float(), targets.float(), reduction="none").mean(-1)  # [B, T]
-    token = -(q * logp).sum(-1)  # [B, T]
-    if topk is None:
-        distill = torch.zeros((), device=logits.device)  # []
-    else:
+    top_q = top_x = None
+    if topk is not None:
         top_q, top_x = q_top if q_top is not None else q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K] x2
-        distill = mean(-(top_q * logp.gather(-1, top_x)).sum(-1))  # []
+    token, per_distill = _soft_terms(compiled)(logits, q, top_q, top_x)  # [B, T] x2
+    distill = torch.zeros((), device=logits.device) if topk is None else mean(per_distill)  # []
     if top1:
         agree = mean((logits.argmax(-1) == (q.argmax(-1) if q_argmax is None else q_argmax)).float()).detach()  # []
     else:
@@ -272,7 +305,8 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     w = pairs.weight  # [B, T-1]: the LM head (the dominant cost at small hidden sizes) runs only where a loss is taken
     q = target_distribution(head, pairs.targets[w])  # [P, V]
     picked = predicted[w]  # [P, H]
-    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None, top1=cfg.top1)
+    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None, top1=cfg.top1,
+                      compiled=cfg.compile)
     return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
 
 
@@ -331,7 +365,8 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step
     q_argmax = q.argmax(-1) if cfg.top1 else None  # [P]
     terms = tuple(
-        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax, cfg.top1)
+        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax, cfg.top1,
+                   cfg.compile)
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)

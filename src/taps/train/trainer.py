@@ -54,6 +54,7 @@ class TrainConfig:
     checkpoint_steps: int | None = None
     log_every: int = 10
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
+    compile_loss: bool = False  # torch.compile the vocabulary-sized loss terms (losses.Eagle2Config.compile)
     training_data: str = ""
 
     def __post_init__(self) -> None:
@@ -67,16 +68,33 @@ class TrainConfig:
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
         top-1 agreement at depths 1..depths, whatever the backbone). Training (noise on) skips the
         top-1 metric, evaluation (noise off) computes it."""
-        width, top1 = (self.noise_width, False) if noise else (0.0, True)
+        common = dict(noise_width=self.noise_width, top1=False) if noise else dict(noise_width=0.0, top1=True)
+        common["compile"] = self.compile_loss
         if self.backbone == "hass":
-            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths or self.hass_steps, top1=top1)
+            return HassConfig(topk=self.hass_topk, steps=depths or self.hass_steps, **common)
         if depths:
-            return HassConfig(noise_width=width, topk=self.hass_topk, steps=depths, topk_weight=0.0, top1=top1)
-        return Eagle2Config(noise_width=width, top1=top1)
+            return HassConfig(topk=self.hass_topk, steps=depths, topk_weight=0.0, **common)
+        return Eagle2Config(**common)
 
     @property
     def loss_steps(self) -> int:
         return self.hass_steps if self.backbone == "hass" else 1
+
+
+def has_compiler() -> bool:
+    """A C++ compiler torch.compile's CPU backend can use: $CXX, g++, clang++ or c++ on PATH."""
+    import os
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
+
+
+def require_compiler(device: torch.device) -> None:
+    """torch.compile on the CPU builds C++ kernels; without a compiler it fails at the first step
+    with a long traceback, so the missing piece is named up front instead."""
+    if device.type == "cpu" and not has_compiler():
+        raise TrainingError("--compile on the CPU needs a C++ compiler for torch.compile (g++ or clang++ on "
+                            "PATH, or $CXX); install one or train without --compile")
 
 
 def split_indices(n: int, frac: float, seed: int) -> tuple[list[int], list[int]]:
@@ -104,6 +122,8 @@ class Trainer:
 
         self.cfg, self.out = cfg, Path(out)
         self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
+        if cfg.compile_loss:
+            require_compiler(self.acc.device)
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = target
         target.model.requires_grad_(False)
