@@ -2,6 +2,7 @@
 with chat template, training with checkpoints, resume to the same weights, 16-bit save."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -131,6 +132,11 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
     # a rerun finds everything done
     again = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
     assert again["drafters"] == summary["drafters"]
+    # a build spanning sessions may change how heads are trained, not what: other settings are refused
+    with pytest.raises(ValueError, match="drafters.json: its heads were trained with epochs = 1, this run has 2"):
+        build_drafters(replace(recipe, epochs=2), target_dir, tmp_path / "drafters", tmp_path / "work")
+    build_drafters(replace(recipe, compile_loss=True, checkpoint_steps=7), target_dir, tmp_path / "drafters",
+                   tmp_path / "work")
 
 
 def test_target_recipe_device_and_mixed_precision(tmp_path, data_dir):

@@ -119,6 +119,25 @@ def _read_summary(out: Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e}); fix or delete it (the heads themselves are kept)") from None
 
 
+# what a head's weights depend on besides the target: heads of one OUT must share them, as a build
+# may span sessions (backbones, domains, jobs, threads, device, checkpointing and --compile may differ)
+HEAD_FIELDS = ("chat_source", "math_source", "n_per_domain", "max_len", "epochs", "lr", "batch_size",
+               "warmup_steps", "seed", "dtype", "feature_dtype", "mixed_precision")
+
+
+def check_same_recipe(out: Path, recipe: DrafterRecipe) -> None:
+    """Refuse to add heads to OUT under other training settings than its finished heads had: the
+    set would silently mix two recipes (a per-head record cannot tell which)."""
+    summary = _read_summary(out)
+    saved = summary.get("recipe", {})
+    if not summary.get("drafters"):
+        return
+    for key in HEAD_FIELDS:
+        if key in saved and saved[key] != getattr(recipe, key):
+            raise ValueError(f"{out / 'drafters.json'}: its heads were trained with {key} = {saved[key]!r}, this run "
+                             f"has {getattr(recipe, key)!r}; use the same setting or another --out")
+
+
 def _is_done(out: Path, name: str) -> bool:
     return (out / name / "model.safetensors").is_file() and name in _read_summary(out).get("drafters", {})
 
@@ -249,6 +268,7 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    check_same_recipe(out, recipe)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     features, tokens = _features(recipe, target, work)
     pending = []
