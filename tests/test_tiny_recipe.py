@@ -102,6 +102,8 @@ def test_a_resume_with_other_training_settings_is_refused(tmp_path, data_dir):
         build_target(toy(data_dir, steps=6, batch_size=8), tmp_path / "out2", work)
     with pytest.raises(ValueError, match="trained with pack = 'stream', this run has 'conversations'"):
         build_target(toy(data_dir, steps=6, pack="conversations"), tmp_path / "out2", work)
+    with pytest.raises(ValueError, match="step-000003: this checkpoint is at step 3, past this run's --steps 2"):
+        build_target(toy(data_dir, steps=2), tmp_path / "out2", work)
     build_target(toy(data_dir, steps=6, minutes=60.0), tmp_path / "out2", work)  # more steps, a cap: resumes
     assert json.loads((tmp_path / "out2" / "recipe.json").read_text())["steps_done"] == 6
 

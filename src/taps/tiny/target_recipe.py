@@ -278,7 +278,8 @@ DATA_FIELDS = ("chat_source", "math_source", "seed", "vocab_size", "holdout_frac
 
 
 # what a checkpoint's weights and optimizer state depend on besides the data: a resume must keep them
-# (`steps` may grow, to extend a run; `minutes`, threads, device and autocast may change freely)
+# (`steps` may change, to extend or shorten a run, but not to below the checkpoint's own step;
+# `minutes`, threads, device and autocast may change freely)
 TRAIN_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "max_positions", "seq_len",
                 "pack", "batch_size", "math_share", "lr", "warmup", "weight_decay", "unlikelihood",
                 "seq_unlikelihood", "seq_prompts", "seq_new_tokens")
@@ -288,7 +289,11 @@ def check_resume_settings(recipe: TargetRecipe, ckpt: Path) -> None:
     """Resuming `ckpt` with other training settings would silently train another model from the
     middle of this one (other blocks, shapes or schedule), so it is refused by key. Checkpoints
     written before the settings were recorded are taken as they are."""
-    saved = json.loads((ckpt / "state.json").read_text()).get("extra", {}).get("train_settings", {})
+    state = json.loads((ckpt / "state.json").read_text())
+    if int(state.get("step", 0)) > recipe.steps:
+        raise ValueError(f"{ckpt}: this checkpoint is at step {state['step']}, past this run's --steps {recipe.steps}; "
+                         f"resume with --steps >= {state['step']}, or use another --work")
+    saved = state.get("extra", {}).get("train_settings", {})
     for key in TRAIN_FIELDS:
         if key in saved and saved[key] != getattr(recipe, key):
             raise ValueError(f"{ckpt}: this checkpoint was trained with {key} = {saved[key]!r}, this run has "
