@@ -99,3 +99,42 @@ def test_help_shows_real_defaults_only(capsys, argv):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text
     assert text.count("(default:") >= 1
+
+
+@pytest.mark.parametrize("key, out, moved", [("target_fingerprint", None, True), ("drafter_weights", None, True),
+                                             ("tree", None, False), ("target_fingerprint", "mine", False)])
+def test_demo_moves_an_earlier_defaults_results_aside(tmp_path, monkeypatch, capsys, key, out, moved):
+    """`make demo` after a new embedded default shipped still runs in one command: results of the old
+    target or heads in the default directory are moved aside (kept), never mixed in; any other
+    mismatch, or a directory the user named, keeps the refusal."""
+    from types import SimpleNamespace
+
+    from taps.eval import report, study
+    from taps.eval.runner import ResultsMismatchError
+
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / (out or "runs/demo-study") / "results"
+    results.mkdir(parents=True)
+    (results / "records.jsonl").write_text("old\n")
+    calls = []
+
+    def run_study(s, stages, progress):
+        calls.append(stages)
+        if len(calls) == 1:
+            raise ResultsMismatchError(f"{key} differs", key)
+        return tmp_path / "report"
+
+    monkeypatch.setattr(study, "demo_study", lambda *a, **k: SimpleNamespace(variants=[], benches=[], target="t",
+                                                                             results=results))
+    monkeypatch.setattr(study, "run_study", run_study)
+    monkeypatch.setattr(report, "terminal_summary", lambda path: "")
+    rc = main(["demo", "--no-progress"] + (["--out", out] if out else []))
+    aside = list((tmp_path / "runs").glob("demo-study.previous-*")) if (tmp_path / "runs").is_dir() else []
+    if moved:
+        assert rc == 0 and len(calls) == 2 and len(aside) == 1
+        assert (aside[0] / "results" / "records.jsonl").read_text() == "old\n"
+        assert "moved them to" in capsys.readouterr().out
+    else:
+        assert rc == 2 and len(calls) == 1 and not aside
+        assert (results / "records.jsonl").read_text() == "old\n"
+        assert f"{key} differs" in capsys.readouterr().err

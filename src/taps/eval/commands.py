@@ -109,12 +109,19 @@ def register_study(sub) -> None:
     d.add_argument("--models", default="models/taps-tiny", help="the embedded default (target/ and drafters/)")
     d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
                                       "else the Hugging Face hub)")
-    d.add_argument("--out", default="runs/demo-study", help="results/ and report/ go here; a rerun resumes")
+    d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
+                                                   "directory, results of an earlier embedded default are moved aside)")
     d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
     d.add_argument("--max-new-tokens", type=int, default=96, help="answer length cap per turn")
     add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (e.g. 16/5/4)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+
+
+DEMO_OUT = "runs/demo-study"
+# what changes when a new embedded default ships (target or drafter weights); other mismatches
+# (tree, settings, variants) are the user's choices and keep the usual refusal
+NEW_DEFAULT_KEYS = ("target_fingerprint", "drafter_weights")
 
 
 def _stages() -> tuple[str, ...]:
@@ -137,14 +144,30 @@ def _reproduce(args) -> int:
 
 
 def _demo(args) -> int:
+    import os
+    import time
+    from pathlib import Path
+
     from taps.eval.report import terminal_summary
+    from taps.eval.runner import ResultsMismatchError
     from taps.eval.study import demo_study, run_study
 
     tree = {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k}
     study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
           f"each, temperature 0, tree {args.total_tokens}/{args.depth}/{args.top_k}) on {study.target}")
-    report = run_study(study, ("eval", "report"), progress=not args.no_progress)
+    try:
+        report = run_study(study, ("eval", "report"), progress=not args.no_progress)
+    except ResultsMismatchError as e:
+        # `make demo` after a new embedded default shipped: one command should still just work, and
+        # the earlier results are kept, not deleted or mixed in
+        if args.out != DEMO_OUT or e.key not in NEW_DEFAULT_KEYS:
+            raise
+        aside = Path(f"{args.out}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(args.out, aside)
+        print(f"taps demo: {args.out} holds results of another embedded default ({e.key} differs); "
+              f"moved them to {aside}, starting afresh")
+        report = run_study(study, ("eval", "report"), progress=not args.no_progress)
     print(terminal_summary(study.results))
     print(f"\nfull report: {report / 'report.md'}")
     return 0

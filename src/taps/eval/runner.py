@@ -38,7 +38,12 @@ RUN_INFO = "run.json"
 
 
 class ResultsMismatchError(ValueError):
-    pass
+    """Records in a results directory were made under something else than this run. `key` names
+    what: a run.json setting, "variant", or "drafter_weights"."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -100,16 +105,17 @@ def check_run_info(out: Path, info: dict) -> dict:
         if old.get(key) != info[key]:
             raise ResultsMismatchError(
                 f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info[key]!r}; "
-                "use another --out (or the same settings) so records of different runs are never mixed")
+                "use another --out (or the same settings) so records of different runs are never mixed", key)
     for name, spec in info["variants"].items():
         if name in old.get("variants", {}) and old["variants"][name] != spec:
             raise ResultsMismatchError(f"{path}: variant {name!r} was {old['variants'][name]}, now {spec}; "
-                                       "give the new one another name or use another --out")
+                                       "give the new one another name or use another --out", "variant")
     old_weights = old.get("drafter_weights", {})  # absent in results written before it was recorded
     changed = sorted(p for p, digest in info["drafter_weights"].items() if p in old_weights and old_weights[p] != digest)
     if changed:
         raise ResultsMismatchError(f"{path}: the weights of {', '.join(changed)} changed since these results were "
-                                   "made (retrained?); use another --out so old and new heads are never mixed")
+                                   "made (retrained?); use another --out so old and new heads are never mixed",
+                                   "drafter_weights")
     temperatures = sorted(set(old.get("temperatures", [])) | set(info["temperatures"]))
     benches = {b: max(n, info["benches"].get(b, 0)) for b, n in old.get("benches", {}).items()}
     return {**old, "variants": {**old.get("variants", {}), **info["variants"]},
