@@ -115,3 +115,24 @@ def test_table_grows_and_remeasures_only_changed_drafters(tmp_path, target_dir, 
     out.with_suffix(".json").write_text("{torn")
     with pytest.raises(ValueError, match="table.json: not valid JSON"):
         update_table(target, heads, data_dir, out, **kw)
+
+
+def test_table_in_parallel_workers_matches_one_process(tmp_path, target_dir, data_dir):
+    from taps.tiny.drafter_table import update_table
+
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    info = DrafterInfo(tokenizer_fingerprint=target.fingerprint())
+    heads = {name: save_head(init_head(target.model.config, seed=seed), tmp_path / name, info)
+             for seed, name in enumerate(["a", "b", "c"])}
+    kw = dict(n=2, temperatures=(0.0, 1.0), max_new_tokens=6, log=lambda msg: None, progress=False)
+    one = update_table(target, heads, data_dir, tmp_path / "one", **kw)
+    logs = []
+    two = update_table(target, heads, data_dir, tmp_path / "two", **{**kw, "log": logs.append}, jobs=2,
+                       target_dir=target_dir)
+    assert two == one and sorted(x.split(":")[0] for x in logs if "measured" in x) == ["a", "b", "c"]
+    assert json.loads((tmp_path / "two.json").read_text())["drafters"] == one
+    # a drafter that cannot be measured is named; the others' rows are saved, and a rerun measures only it
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(RuntimeError, match=r"not measured: c \("):
+        update_table(target, heads, data_dir, tmp_path / "three", **kw, jobs=2, target_dir=target_dir)
+    assert set(json.loads((tmp_path / "three.json").read_text())["drafters"]) == {"a", "b"}

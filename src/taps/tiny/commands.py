@@ -87,6 +87,8 @@ def register(sub) -> None:
     a.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     a.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap per question")
     a.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun measures only new or retrained drafters")
+    a.add_argument("--jobs", type=int, default=1, help="measure this many drafters at once, in separate processes "
+                                                       "(on a CPU: one per core); the same rows as one process")
     a.set_defaults(func=_drafter_table)
 
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
@@ -135,7 +137,7 @@ def _drafter_table(args) -> int:
     if not drafters:
         raise FileNotFoundError(f"{args.drafters}: no drafter directories (<name>/model.safetensors)")
     table = update_table(Target.load(args.target, device="cpu", dtype="float32"), drafters, _data_dir(args),
-                         args.out, args.n, temps, args.max_new_tokens)
+                         args.out, args.n, temps, args.max_new_tokens, jobs=args.jobs, target_dir=args.target)
     print(to_markdown(table, temps))
     return 0
 

@@ -89,9 +89,14 @@ def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, 
 
 def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, out: str | Path, n: int = 20,
                  temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
-                 log: Callable[[str], None] = print, progress: bool = True) -> dict:
+                 log: Callable[[str], None] = print, progress: bool = True, jobs: int = 1,
+                 target_dir: str | Path | None = None) -> dict:
     """Measure the drafters not yet in OUT.json (same settings and weights), writing OUT.json and
-    OUT.md after each one; returns the full table."""
+    OUT.md after each one; returns the full table. jobs > 1 measures that many drafters at once in
+    separate processes (each loads the target from `target_dir`); every cell is seeded per
+    question, so the rows are those of a sequential run."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     out = Path(out)
     settings = table_settings(target, n, temperatures, max_new_tokens, seed)
     digests = {name: weights_digest(path) for name, path in drafters.items()}
@@ -100,15 +105,83 @@ def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path
         log(f"{out.with_suffix('.json')}: reusing {', '.join(sorted(done))}")
     clock = {"t": time.time()}
 
-    def save(name: str, table: dict) -> None:
+    def save(name: str, table: dict, seconds: float | None = None) -> None:
         write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
-        log(f"{name}: measured in {time.time() - clock['t']:.0f} s")
+        log(f"{name}: measured in {time.time() - clock['t'] if seconds is None else seconds:.0f} s")
         clock["t"] = time.time()
 
-    table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
-                             on_drafter=save, progress=progress)
+    todo = [name for name in drafters if name not in done]
+    if jobs > 1 and len(todo) > 1:
+        if target_dir is None:
+            raise ValueError("update_table(jobs > 1) needs target_dir: each worker process loads the target")
+        table = dict(done)
+        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target_dir), data_dir,
+                            (n, temperatures, max_new_tokens, seed), jobs, save)
+    else:
+        table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
+                                 on_drafter=save, progress=progress)
     write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
     return table
+
+
+def _table_worker(target_dir: str, drafters: dict[str, Path], data_dir, args: tuple, order: list[str], taken,
+                  results, threads: int) -> None:
+    """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
+    import torch
+
+    torch.set_num_threads(threads)
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    n, temperatures, max_new_tokens, seed = args
+    while True:
+        with taken.get_lock():
+            i = taken.value
+            taken.value += 1
+        if i >= len(order):
+            return
+        name, t0 = order[i], time.time()
+        try:
+            row = acceptance_table(target, {name: drafters[name]}, data_dir, n, temperatures, max_new_tokens,
+                                   seed=seed)[name]
+            results.put((name, row, time.time() - t0, None))
+        except Exception as e:  # reported by the parent, naming the drafter
+            results.put((name, None, 0.0, f"{type(e).__name__}: {e}"))
+
+
+def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, data_dir, args: tuple, jobs: int,
+                        save: Callable) -> None:
+    """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
+    import multiprocessing
+    import os
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    taken, results = ctx.Value("i", 0), ctx.Queue()
+    jobs = min(jobs, len(todo))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    procs = [ctx.Process(target=_table_worker, args=(target_dir, todo, str(data_dir), args, list(todo), taken,
+                                                      results, threads)) for _ in range(jobs)]
+    for proc in procs:
+        proc.start()
+    pending, errors = set(todo), []
+    while pending:
+        try:
+            name, row, seconds, err = results.get(timeout=2.0)
+        except queue.Empty:
+            if any(proc.is_alive() for proc in procs) or not results.empty():
+                continue
+            break  # every worker is gone and nothing is left to read
+        pending.discard(name)
+        if err:
+            errors.append(f"{name} ({err})")
+            continue
+        table[name] = row
+        save(name, table, seconds)
+    for proc in procs:
+        proc.join()
+    if errors or pending:
+        failed = errors + sorted(f"{name} (its worker died)" for name in pending)
+        raise RuntimeError(f"drafter table: not measured: {', '.join(failed)}; the rows measured are saved, and a "
+                           "rerun measures only the rest")
 
 
 def to_markdown(table: dict, temperatures: tuple[float, ...] = (0.0, 1.0)) -> str:
