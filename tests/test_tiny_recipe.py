@@ -286,3 +286,30 @@ def test_sequence_unlikelihood_fine_tuning_runs_and_is_logged(tmp_path, data_dir
     entry = next(json.loads(x) for x in (tmp_path / "work8" / "log.jsonl").read_text().splitlines()
                  if "tokens_per_s" in x)
     assert entry["seq_skipped_steps"] == entry["step"] == 10 and "seq_unlikelihood" not in entry
+
+
+def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypatch):
+    """With --jobs, --threads is each worker's share: the features, extracted before the workers
+    start, use the whole machine; one job keeps --threads throughout."""
+    from taps.tiny import drafter_recipe
+    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+
+    class Seen(Exception):
+        pass
+
+    def features(recipe, target, work):
+        raise Seen(torch.get_num_threads())
+
+    monkeypatch.setattr(drafter_recipe, "_features", features)
+    monkeypatch.setattr("taps.target.Target.load", lambda *a, **k: None)
+    before = torch.get_num_threads()
+    try:
+        seen = {}
+        for jobs in (2, 1):
+            torch.set_num_threads(before)
+            with pytest.raises(Seen) as err:
+                build_drafters(DrafterRecipe(threads=1), "unused", tmp_path / f"out{jobs}", tmp_path / "work", jobs=jobs)
+            seen[jobs] = err.value.args[0]
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {2: before, 1: 1}

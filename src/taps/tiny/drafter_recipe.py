@@ -261,8 +261,9 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
 
     out, work = Path(out), Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    if recipe.threads:
+    if recipe.threads and jobs == 1:
         torch.set_num_threads(recipe.threads)
+    # with --jobs, --threads is each worker's: the features (one process, before the workers) use every core
     unknown = set(recipe.domains) - set(DOMAINS) | set(recipe.backbones) - set(BACKBONES)
     if unknown:
         raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
@@ -282,6 +283,8 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         del target
         _run_workers(recipe, target_dir, out, work, longest_first(pending, head_costs(tokens)), jobs)
     else:
+        if recipe.threads:
+            torch.set_num_threads(recipe.threads)
         for backbone, domain in pending:
             _train_head(recipe, target, features, out, work, backbone, domain)
     return _record(out, recipe)
