@@ -206,6 +206,18 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     log(f"{name}: {entry['final']}")
 
 
+def untaken(order: list, taken):
+    """The items of `order` this process takes, one at a time, from `taken` (a shared
+    multiprocessing.Value counter): worker processes split a queue without fixed shares."""
+    while True:
+        with taken.get_lock():
+            i = taken.value
+            taken.value += 1
+        if i >= len(order):
+            return
+        yield order[i]
+
+
 def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: list, taken, threads: int,
             index: int) -> None:
     """One process of `--jobs N`: takes the next untaken head of `order` (a shared counter) until
@@ -217,13 +229,7 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: 
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}
-    while True:
-        with taken.get_lock():
-            i = taken.value
-            taken.value += 1
-        if i >= len(order):
-            return
-        backbone, domain = order[i]
+    for backbone, domain in untaken(order, taken):
         log(f"worker {index}: {backbone}-{domain}")
         _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
 

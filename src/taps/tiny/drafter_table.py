@@ -129,16 +129,14 @@ def _table_worker(target_dir: str, drafters: dict[str, Path], data_dir, args: tu
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     import torch
 
+    from taps.tiny.drafter_recipe import untaken
+
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device="cpu", dtype="float32")
     n, temperatures, max_new_tokens, seed = args
-    while True:
-        with taken.get_lock():
-            i = taken.value
-            taken.value += 1
-        if i >= len(order):
-            return
-        name, t0 = order[i], time.time()
+
+    for name in untaken(order, taken):
+        t0 = time.time()
         try:
             row = acceptance_table(target, {name: drafters[name]}, data_dir, n, temperatures, max_new_tokens,
                                    seed=seed)[name]
