@@ -149,3 +149,39 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert (small.settings.tree.total_tokens, small.settings.tree.top_k) == (16, 4)
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, 2, 16)
+
+
+TOY_TARGET = dict(vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=2, intermediate_size=64,
+                  max_positions=256, seq_len=32, batch_size=4, steps=4, warmup=1, eval_every=2, ckpt_every=2,
+                  eval_blocks=2, holdout_frac=0.1, tokenizer_chars=100_000)
+
+
+def test_target_build_in_stages_chains_and_inherits(tmp_path, data_dir):
+    base = {"name": "x", "out": str(tmp_path / "study"), "target": {"path": str(tmp_path / "study" / "target")},
+            "drafters": {"out": "d"}, "variants": {"baseline": "baseline"}}
+    first = {"chat_source": f"sharegpt:{data_dir / 'sharegpt.json'}", **TOY_TARGET}
+    stages = [first, {"steps": 3, "lr": 5e-4, "unlikelihood": 1.0}]
+    study = study_from_dict({**base, "target": {**base["target"], "build": stages}}, "cfg", str(data_dir))
+    assert study.target_build[1]["hidden_size"] == 32 and study.target_build[1]["steps"] == 3  # inherited, changed
+    assert study.target_build[0]["steps"] == 4 and "unlikelihood" not in study.target_build[0]
+    assert "2 stage(s)" in "\n".join(plan(study, ("target",)))
+    with pytest.raises(StudyConfigError, match=r"target.build\[1\]: init_from is set by the study"):
+        study_from_dict({**base, "target": {"path": "t", "build": [first, {"init_from": "elsewhere"}]}})
+    with pytest.raises(StudyConfigError, match=r"target.build\[1\]: unknown key.*step"):
+        study_from_dict({**base, "target": {"path": "t", "build": [first, {"step": 3}]}})
+    with pytest.raises(StudyConfigError, match="target.build: expected a mapping"):
+        study_from_dict({**base, "target": {"path": "t", "build": "steps=3"}})
+
+    run_study(study, stages=("target",), progress=False)
+    stage1 = tmp_path / "study" / "work" / "target" / "stage-1" / "out"
+    done1 = json.loads((stage1 / "recipe.json").read_text())
+    done = json.loads((study.target / "recipe.json").read_text())
+    assert done["recipe"]["init_from"] == str(stage1) and done["recipe"]["unlikelihood"] == 1.0
+    assert done["tokens_seen_total"] == done1["tokens_seen"] + 3 * 4 * 32  # the second stage continued the first
+    # a rerun after the final target was removed trains only the last stage again
+    mtime = (stage1 / "model.safetensors").stat().st_mtime_ns
+    (study.target / "config.json").unlink()
+    assert any("stage 1" in line and "done, kept" in line for line in plan(study, ("target",)))
+    run_study(study, stages=("target",), progress=False)
+    assert (stage1 / "model.safetensors").stat().st_mtime_ns == mtime and (study.target / "config.json").is_file()
+

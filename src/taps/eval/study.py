@@ -63,7 +63,7 @@ class Study:
     benches: list[str]
     settings: EvalSettings
     data_dir: str | None = None
-    target_build: dict | None = None  # TargetRecipe fields
+    target_build: list[dict] | None = None  # TargetRecipe fields of each stage; each continues the one before
     drafter_recipe: dict | None = None  # DrafterRecipe fields
     drafter_jobs: int = 1  # heads trained at once (taps tiny build-drafters --jobs)
     limit: int | None = None
@@ -101,6 +101,35 @@ def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
         return None
     names = {f.name for f in fields(recipe_cls)} - {"data_dir"}
     return dict(_check_keys(where, mapping, names))
+
+
+def _target_stages(where: str, build, recipe_cls) -> list[dict] | None:
+    """target.build: one recipe, or a list of stages. A later stage continues training the one before
+    (its init_from is set by the study) and repeats only the fields it changes: the rest are inherited."""
+    if build is None:
+        return None
+    if isinstance(build, dict):
+        return [_recipe_fields(where, build, recipe_cls)]
+    if not isinstance(build, list) or not build:
+        raise StudyConfigError(f"{where}: expected a mapping of recipe fields or a non-empty list of them, "
+                               f"got {type(build).__name__}")
+    stages: list[dict] = []
+    for i, stage in enumerate(build):
+        fields_i = _recipe_fields(f"{where}[{i}]", stage, recipe_cls)
+        if i > 0 and "init_from" in fields_i:
+            raise StudyConfigError(f"{where}[{i}]: init_from is set by the study (stage {i} continues stage "
+                                   f"{i - 1}); only the first stage may name one")
+        stages.append({**(stages[-1] if stages else {}), **fields_i})
+    return stages
+
+
+def target_stage_dirs(study: "Study") -> list[tuple[Path, Path]]:
+    """(out, work) of each target stage: the last one's out is the study's target."""
+    n = len(study.target_build or [])
+    if n == 1:
+        return [(study.target, study.work / "target")]
+    return [(study.target if i == n else study.work / "target" / f"stage-{i}" / "out",
+             study.work / "target" / f"stage-{i}") for i in range(1, n + 1)]
 
 
 def _fill(text: str, values: dict[str, str | None]) -> str:
@@ -181,7 +210,7 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
                  variants=variants, benches=list(benches), settings=settings,
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
-                 target_build=_recipe_fields(f"{source}: target.build", target.get("build"), TargetRecipe),
+                 target_build=_target_stages(f"{source}: target.build", target.get("build"), TargetRecipe),
                  drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
                  drafter_jobs=jobs,
                  limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
@@ -208,7 +237,10 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
         if (study.target / "config.json").is_file():
             lines.append(f"target: {study.target} exists, used as is")
         elif study.target_build is not None:
-            lines.append(f"target: build the tiny target into {study.target} ({study.target_build})")
+            lines.append(f"target: build the tiny target into {study.target} in {len(study.target_build)} stage(s)")
+            for i, ((out, _), stage) in enumerate(zip(target_stage_dirs(study), study.target_build), 1):
+                state = "done, kept" if (out / "recipe.json").is_file() and out != study.target else "to train"
+                lines.append(f"  stage {i} -> {out} ({state}): {stage}")
         else:
             lines.append(f"target: {study.target} is MISSING and the config has no target.build")
     if "drafters" in stages:
@@ -242,7 +274,13 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
                                     "target.build to make it")
         from taps.tiny.target_recipe import TargetRecipe, build_target
 
-        build_target(TargetRecipe(data_dir=study.data_dir, **study.target_build), study.target, study.work / "target")
+        previous = None
+        for stage, (out, work) in zip(study.target_build, target_stage_dirs(study)):
+            if out != study.target and (out / "recipe.json").is_file():
+                previous = out  # an earlier run of the study finished this stage
+                continue
+            chained = {"init_from": str(previous)} if previous is not None else {}
+            previous = build_target(TargetRecipe(data_dir=study.data_dir, **{**stage, **chained}), out, work)
     if "drafters" in stages and study.drafter_recipe is not None:
         from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
 
