@@ -69,3 +69,20 @@ def test_speculative_equals_plain(root, target):
         assert plain == ref[:len(plain)]
         for name, head in heads(root, target):
             assert generate(target, SingleProposer(head, TreeConfig()), ids, cfg).tokens == plain, name
+
+
+def test_the_shipped_default_has_every_head_and_its_measured_row():
+    """All eight heads ship, and the model card's acceptance table was measured with these weights."""
+    import json
+
+    from taps.drafter.checkpoint import weights_digest
+
+    root = MODELS / "taps-tiny"
+    names = {f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")}
+    shipped = {p.name for p in (root / "drafters").iterdir() if p.is_dir()}
+    assert shipped == names
+    assert set(json.loads((root / "drafters" / "drafters.json").read_text())["drafters"]) == names
+    table = json.loads((root / "drafter-table.json").read_text())
+    assert set(table["drafters"]) == names
+    for name in names:
+        assert table["weights"][name] == weights_digest(root / "drafters" / name), name

@@ -50,6 +50,24 @@ def test_tiny_config_parses():
     assert study.drafter_jobs == 2 and study.drafter_recipe["epochs"] == 4  # the shipped heads' recipe
 
 
+def test_tiny_config_rebuilds_the_shipped_target_stage_by_stage():
+    """target.build of configs/tiny.yaml is the recipe the shipped target's records say it was built by."""
+    from dataclasses import asdict
+
+    from taps.tiny.target_recipe import TargetRecipe
+
+    study = load_study(REPO / "configs" / "tiny.yaml")
+    shipped = REPO / "models" / "taps-tiny"
+    records = [shipped / "records" / "v6-recipe.json", shipped / "records" / "v6u-recipe.json",
+               shipped / "target" / "recipe.json"]
+    assert len(study.target_build) == len(records)
+    for stage, record in zip(study.target_build, records):
+        built = json.loads(record.read_text())["recipe"]
+        ours = asdict(TargetRecipe(**stage))
+        for key in set(ours) - {"data_dir", "init_from", "extra"}:
+            assert ours[key] == built[key], f"{record.name}: {key}"
+
+
 def test_templates_and_bad_keys():
     specs = expand_variants({"{backbone}-avg-{lambda}": "average-{lambda}:a={drafters}/{backbone}-a,b=x/b"},
                             ["eagle2", "hass"], [0.25, 0.75], Path("D"), "cfg")
@@ -185,3 +203,14 @@ def test_target_build_in_stages_chains_and_inherits(tmp_path, data_dir):
     run_study(study, stages=("target",), progress=False)
     assert (stage1 / "model.safetensors").stat().st_mtime_ns == mtime and (study.target / "config.json").is_file()
 
+
+def test_tiny_config_retrains_the_shipped_drafters_by_their_recipe():
+    from dataclasses import asdict
+
+    from taps.tiny.drafter_recipe import DrafterRecipe
+
+    study = load_study(REPO / "configs" / "tiny.yaml")
+    built = json.loads((REPO / "models" / "taps-tiny" / "drafters" / "drafters.json").read_text())["recipe"]
+    ours = asdict(DrafterRecipe(**study.drafter_recipe))
+    for key in set(ours) - {"data_dir", "backbones", "domains"}:  # the last run named a subset of the heads
+        assert ours[key] == built[key], key
