@@ -132,6 +132,12 @@ def target_stage_dirs(study: "Study") -> list[tuple[Path, Path]]:
              study.work / "target" / f"stage-{i}") for i in range(1, n + 1)]
 
 
+def _kept_stage(study: "Study", out: Path) -> bool:
+    """An earlier stage an earlier run finished (recipe.json is written last); the final stage is
+    judged by the study's target instead."""
+    return out != study.target and (out / "recipe.json").is_file()
+
+
 def _fill(text: str, values: dict[str, str | None]) -> str:
     for key, value in values.items():
         if value is not None:
@@ -239,7 +245,7 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
         elif study.target_build is not None:
             lines.append(f"target: build the tiny target into {study.target} in {len(study.target_build)} stage(s)")
             for i, ((out, _), stage) in enumerate(zip(target_stage_dirs(study), study.target_build), 1):
-                state = "done, kept" if (out / "recipe.json").is_file() and out != study.target else "to train"
+                state = "done, kept" if _kept_stage(study, out) else "to train"
                 lines.append(f"  stage {i} -> {out} ({state}): {stage}")
         else:
             lines.append(f"target: {study.target} is MISSING and the config has no target.build")
@@ -276,8 +282,8 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
 
         previous = None
         for stage, (out, work) in zip(study.target_build, target_stage_dirs(study)):
-            if out != study.target and (out / "recipe.json").is_file():
-                previous = out  # an earlier run of the study finished this stage
+            if _kept_stage(study, out):
+                previous = out
                 continue
             chained = {"init_from": str(previous)} if previous is not None else {}
             previous = build_target(TargetRecipe(data_dir=study.data_dir, **{**stage, **chained}), out, work)
