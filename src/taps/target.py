@@ -71,6 +71,7 @@ class Target:
         self.config = model.config.get_text_config()
         self.cache = kv.new_cache()
         self._tree_start: int | None = None
+        self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -82,9 +83,15 @@ class Target:
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
     ) -> "Target":
+        """`path`: a Hugging Face model directory, a .gguf file (or a directory holding one), or a
+        short name such as `smollm2-135m-instruct` (taps.target_source); GGUF weights load from
+        their cached safetensors conversion."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = Path(path)
+        from taps.target_source import resolve_target, target_name
+
+        name = target_name(path)
+        path = resolve_target(path)
         if not path.is_dir():
             raise FileNotFoundError(f"target directory {path} does not exist")
         if not (path / "config.json").is_file():
@@ -104,7 +111,9 @@ class Target:
         ).to(dev)
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if has_tokenizer else None
-        return cls(model, tokenizer)
+        target = cls(model, tokenizer)
+        target.name = name
+        return target
 
     # ---- facts -----------------------------------------------------------------------------
     @property

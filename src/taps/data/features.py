@@ -82,7 +82,7 @@ class FeatureSettings:
 
 def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_records: int) -> dict:
     fresh = {"format_version": FORMAT_VERSION, "tokenizer_fingerprint": target.fingerprint(),
-             "target_name": getattr(target.config, "_name_or_path", "") or "", "hidden_size": target.hidden_size,
+             "target_name": target.name, "hidden_size": target.hidden_size,
              "dtype": settings.dtype, "max_len": settings.max_len, "data_file": str(data),
              "data_digest": file_digest(data), "records_total": n_records, "records_done": 0, "tokens": 0,
              "assistant_tokens": 0, "truncated_records": 0, "sources": {}, "shards": [], "complete": False}

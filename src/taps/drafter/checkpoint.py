@@ -200,8 +200,10 @@ def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, 
     from transformers import AutoConfig, AutoTokenizer
 
     from taps.target import tokenizer_fingerprint
+    from taps.target_source import resolve_target, target_name
 
-    target_dir = Path(target_dir)
+    name = target_name(target_dir)
+    target_dir = resolve_target(target_dir)
     if not (target_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{target_dir / CONFIG_NAME}: missing; --target must be a Hugging Face model directory")
     config = AutoConfig.from_pretrained(target_dir)
@@ -210,6 +212,6 @@ def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, 
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"{target_dir}: no loadable tokenizer ({err})") from None
     head = init_head(config, seed=seed, bias=bias)
-    info = DrafterInfo(backbone="untrained", target_name=target_dir.name, tokenizer_fingerprint=fingerprint,
+    info = DrafterInfo(backbone="untrained", target_name=name, tokenizer_fingerprint=fingerprint,
                        extra={"seed": seed})
     return save_head(head, out_dir, info)

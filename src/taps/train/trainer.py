@@ -191,7 +191,7 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------
     def info(self) -> DrafterInfo:
         return DrafterInfo(backbone=self.cfg.backbone, training_data=self.cfg.training_data,
-                           target_name=str(getattr(self.target.config, "_name_or_path", "")),
+                           target_name=self.target.name,
                            tokenizer_fingerprint=self.target.fingerprint(),
                            extra={"train_config": asdict(self.cfg), "steps": self.step,
                                   "features": self.shards.description,
