@@ -79,3 +79,50 @@ def test_errors(tmp_path, target):
     data = write_records(tmp_path / "d.jsonl", n=2)
     with pytest.raises(ValueError, match="line 1 is not a regenerated record"):
         regenerate(target, data, foreign, progress=None)
+
+
+def test_batched_equals_one_at_a_time_in_float32(tmp_path, target):
+    """Left-padded batches through transformers' generate give the target's own greedy answers,
+    turn by turn (exact in float32), and keep only the first max_turns user turns."""
+    data = write_records(tmp_path / "d.jsonl", n=5)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    rows[1]["conversations"][1]["content"] = "a much longer question than the others, so the batch is padded"
+    rows[2]["conversations"] += [{"role": "user", "content": "and a second turn"},
+                                 {"role": "assistant", "content": "old"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one, batched = tmp_path / "one.jsonl", tmp_path / "batched.jsonl"
+    regenerate(target, data, one, RegenerateSettings(max_new_tokens=6), progress=None)
+    assert regenerate(target, data, batched, RegenerateSettings(max_new_tokens=6, batch_size=3), progress=None) == 5
+    a, b = lines(one), sorted(lines(batched), key=lambda r: int(r["id"][1:]))  # batches sort by prompt length
+    assert [r["id"] for r in a] == [r["id"] for r in b]
+    assert [r["conversations"] for r in a] == [r["conversations"] for r in b]
+    assert [r["regenerated"]["stop_reasons"] for r in a] == [r["regenerated"]["stop_reasons"] for r in b]
+    assert len(b[2]["regenerated"]["stop_reasons"]) == 2
+    first = tmp_path / "first.jsonl"
+    regenerate(target, data, first, RegenerateSettings(max_new_tokens=6, batch_size=4, max_turns=1), progress=None)
+    assert [t["role"] for t in lines(first)[2]["conversations"]].count("user") == 1
+
+
+def test_batched_refuses_a_drafter_and_bad_sizes(tmp_path, target):
+    data = write_records(tmp_path / "d.jsonl", n=2)
+    head = SingleProposer(init_head(target.config, seed=0).bind(target.embed_tokens, target.lm_head))
+    with pytest.raises(ValueError, match="batch_size 1"):
+        regenerate(target, data, tmp_path / "o.jsonl", RegenerateSettings(batch_size=2), proposer=head, progress=None)
+    with pytest.raises(ValueError, match="batch_size"):
+        RegenerateSettings(batch_size=0)
+    with pytest.raises(ValueError, match="max_turns"):
+        RegenerateSettings(max_turns=0)
+
+
+def test_long_first_prompts_are_skipped_and_counted(tmp_path, target, capsys):
+    import sys
+
+    data = write_records(tmp_path / "d.jsonl", n=3)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    rows[1]["conversations"][0]["content"] = "word " * 200
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o.jsonl"
+    settings = RegenerateSettings(max_new_tokens=3, batch_size=2, max_prompt_tokens=100)
+    assert regenerate(target, data, out, settings, progress=sys.stderr) == 2
+    assert sorted(r["id"] for r in lines(out)) == ["r0", "r2"]
+    assert "skipping 1 record(s)" in capsys.readouterr().err

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     regen = dsub.add_parser("regenerate", help="replace every assistant turn with the target's own response "
                                                "(resumable)")
-    regen.add_argument("--target", required=True, help="Hugging Face model directory")
+    regen.add_argument("--target", required=True, help="Hugging Face model directory, .gguf file or known name")
     regen.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     regen.add_argument("--out", required=True, help="output JSONL; a rerun skips the records already in it")
     regen.add_argument("--drafter", help="optional drafter directory: regenerate with lossless speculative decoding")
@@ -31,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--top-p", type=float, default=1.0)
     regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--batch-size", type=int, default=1,
+                       help="answer B records at a time with transformers' generate (left padding; no --drafter); "
+                            "an order of magnitude faster on a CPU at B = 32-64")
+    regen.add_argument("--max-turns", type=int, help="keep the first K user turns of each conversation")
+    regen.add_argument("--max-prompt-tokens", type=int,
+                       help="skip records whose first prompt (chat template included) is longer; they are counted")
     regen.add_argument("--device", default="auto")
     regen.add_argument("--dtype", default="auto")
     regen.set_defaults(func=_regenerate)
@@ -57,7 +63,8 @@ def _regenerate(args: argparse.Namespace) -> int:
 
         proposer = SingleProposer(load_head(args.drafter, target)[0])
     settings = RegenerateSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.seed)
+                                  top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+                                  max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens)
     written = regenerate(target, args.data, args.out, settings, proposer)
     print(f"regenerated {written:,} records into {args.out}")
     return 0
