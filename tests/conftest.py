@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -51,3 +52,26 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
+
+
+
+TOY_WORDS = "the a cat dog sells buys apples pens each day week more less than twice half".split()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A toy data directory: 40 GSM8K-style problems and 40 ShareGPT-style conversations."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "gsm8k").mkdir()
+    with (root / "gsm8k" / "train.jsonl").open("w") as f:
+        for i in range(40):
+            a, b = i + 2, 3 * i + 1
+            f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many?",
+                                "answer": f"He has {a}+{b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}) + "\n")
+    convs = []
+    for i in range(40):
+        words = " ".join(TOY_WORDS[(i + k) % len(TOY_WORDS)] for k in range(30))
+        convs.append({"id": f"s{i}", "conversations": [{"from": "human", "value": f"Tell me about {TOY_WORDS[i % 15]}."},
+                                                       {"from": "gpt", "value": words}]})
+    (root / "sharegpt.json").write_text(json.dumps(convs))
+    return root

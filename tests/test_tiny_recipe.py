@@ -15,26 +15,6 @@ from taps.tiny import target_recipe
 from taps.tiny.target_recipe import TargetRecipe, build_target
 from taps.tiny.tokenizer import END_OF_TURN
 
-WORDS = "the a cat dog sells buys apples pens each day week more less than twice half".split()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    (root / "gsm8k").mkdir()
-    with (root / "gsm8k" / "train.jsonl").open("w") as f:
-        for i in range(40):
-            a, b = i + 2, 3 * i + 1
-            f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many?",
-                                "answer": f"He has {a}+{b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}) + "\n")
-    convs = []
-    for i in range(40):
-        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30))
-        convs.append({"id": f"s{i}", "conversations": [{"from": "human", "value": f"Tell me about {WORDS[i % 15]}."},
-                                                       {"from": "gpt", "value": words}]})
-    (root / "sharegpt.json").write_text(json.dumps(convs))
-    return root
-
 
 def toy(data_dir, **kw):
     base = dict(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", vocab_size=300,
@@ -114,33 +94,6 @@ def test_time_cap_stops_early_and_says_so(tmp_path, data_dir):
     assert summary["stopped_early"] and summary["steps_done"] == 0
 
 
-def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
-    from taps.drafter.checkpoint import load_head
-    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
-
-    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
-                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1)
-    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
-    target = Target.load(target_dir, device="cpu", dtype="float32")
-    assert set(summary["drafters"]) == {f"{b}-{d}" for b in ("eagle2", "hass")
-                                         for d in ("chat", "math", "mixed-small", "mixed-large")}
-    for name, info in summary["drafters"].items():
-        head, meta = load_head(tmp_path / "drafters" / name, target)
-        assert meta.backbone == name.split("-")[0] and meta.training_data == name.split("-", 1)[1]
-        assert sorted(p.name for p in (tmp_path / "drafters" / name).iterdir()) == \
-            ["config.json", "metrics.jsonl", "model.safetensors"]
-    assert summary["drafters"]["eagle2-mixed-small"]["records"] == 12
-    assert summary["drafters"]["eagle2-mixed-large"]["records"] == 24
-    # a rerun finds everything done
-    again = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
-    assert again["drafters"] == summary["drafters"]
-    # a build spanning sessions may change how heads are trained, not what: other settings are refused
-    with pytest.raises(ValueError, match="drafters.json: its heads were trained with epochs = 1, this run has 2"):
-        build_drafters(replace(recipe, epochs=2), target_dir, tmp_path / "drafters", tmp_path / "work")
-    build_drafters(replace(recipe, compile_loss=True, checkpoint_steps=7), target_dir, tmp_path / "drafters",
-                   tmp_path / "work")
-
-
 def test_target_recipe_device_and_mixed_precision(tmp_path, data_dir):
     out = build_target(toy(data_dir, device="auto", mixed_precision="bf16", steps=3), tmp_path / "out", tmp_path / "work")
     done = json.loads((out / "recipe.json").read_text())
@@ -149,34 +102,6 @@ def test_target_recipe_device_and_mixed_precision(tmp_path, data_dir):
     with pytest.raises(ValueError, match="mixed_precision 'fp8'"):
         build_target(toy(data_dir, mixed_precision="fp8"), tmp_path / "o2", tmp_path / "w2")
     assert not (tmp_path / "w2" / "tokenizer").exists()  # refused before any work
-
-
-def test_heads_taken_longest_first():
-    from taps.tiny.drafter_recipe import head_costs, longest_first
-
-    costs = head_costs({"chat": 900, "math": 300})
-    assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
-    order = longest_first(list(costs), costs)
-    assert sorted(order) == sorted(costs)
-    assert [costs[h] for h in order] == sorted(costs.values(), reverse=True)
-    assert order[0] == ("hass", "mixed-large") and order[-1] == ("eagle2", "math")
-
-
-def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):
-    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
-
-    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
-                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1, threads=1,
-                           backbones=("eagle2",), domains=("chat", "math", "mixed-small"))
-    one = build_drafters(recipe, target_dir, tmp_path / "one", tmp_path / "w1")
-    two = build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
-    assert set(two["drafters"]) == set(one["drafters"]) == {"eagle2-chat", "eagle2-math", "eagle2-mixed-small"}
-    for name in one["drafters"]:
-        a, b = load_file(tmp_path / "one" / name / "model.safetensors"), load_file(tmp_path / "two" / name / "model.safetensors")
-        assert all(torch.equal(a[k], b[k]) for k in a), name
-    (tmp_path / "two" / "drafters.json").write_text("{")
-    with pytest.raises(ValueError, match="drafters.json: not valid JSON"):
-        build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
 
 
 def test_domain_split_of_each_batch():
@@ -287,29 +212,3 @@ def test_sequence_unlikelihood_fine_tuning_runs_and_is_logged(tmp_path, data_dir
                  if "tokens_per_s" in x)
     assert entry["seq_skipped_steps"] == entry["step"] == 10 and "seq_unlikelihood" not in entry
 
-
-def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypatch):
-    """With --jobs, --threads is each worker's share: the features, extracted before the workers
-    start, use the whole machine; one job keeps --threads throughout."""
-    from taps.tiny import drafter_recipe
-    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
-
-    class Seen(Exception):
-        pass
-
-    def features(recipe, target, work):
-        raise Seen(torch.get_num_threads())
-
-    monkeypatch.setattr(drafter_recipe, "_features", features)
-    monkeypatch.setattr("taps.target.Target.load", lambda *a, **k: None)
-    before = torch.get_num_threads()
-    try:
-        seen = {}
-        for jobs in (2, 1):
-            torch.set_num_threads(before)
-            with pytest.raises(Seen) as err:
-                build_drafters(DrafterRecipe(threads=1), "unused", tmp_path / f"out{jobs}", tmp_path / "work", jobs=jobs)
-            seen[jobs] = err.value.args[0]
-    finally:
-        torch.set_num_threads(before)
-    assert seen == {2: before, 1: 1}

@@ -132,6 +132,16 @@ def target_stage_dirs(study: "Study") -> list[tuple[Path, Path]]:
              study.work / "target" / f"stage-{i}") for i in range(1, n + 1)]
 
 
+def target_exists(study: "Study") -> bool:
+    """The study's target is there to use: a model directory, or a GGUF file or known name
+    (taps.target_source) that loads without building anything."""
+    if (study.target / "config.json").is_file():
+        return True
+    from taps.target_source import find_gguf
+
+    return find_gguf(str(study.target)) is not None  # a known name whose package is missing says how to install it
+
+
 def _kept_stage(study: "Study", out: Path) -> bool:
     """An earlier stage an earlier run finished (recipe.json is written last); the final stage is
     judged by the study's target instead."""
@@ -180,7 +190,7 @@ def expand_variants(templates: dict, backbones: list[str], lambdas: list[float],
 
 
 def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None = None) -> Study:
-    from taps.tiny.drafter_recipe import DrafterRecipe
+    from taps.train.family import DrafterRecipe
     from taps.tiny.target_recipe import TargetRecipe
 
     top = _check_keys(source, config, {"name", "out", "data_dir", "target", "drafters", "backbones", "lambdas",
@@ -240,7 +250,7 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
     """What run_study would do, stage by stage, and what it would skip (the dry run)."""
     lines = [f"study {study.name} ({study.source}) -> {study.out}"]
     if "target" in stages:
-        if (study.target / "config.json").is_file():
+        if target_exists(study):
             lines.append(f"target: {study.target} exists, used as is")
         elif study.target_build is not None:
             lines.append(f"target: build the tiny target into {study.target} in {len(study.target_build)} stage(s)")
@@ -274,7 +284,7 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))}; expected {', '.join(STAGES)}")
-    if "target" in stages and not (study.target / "config.json").is_file():
+    if "target" in stages and not target_exists(study):
         if study.target_build is None:
             raise FileNotFoundError(f"{study.source}: target {study.target} does not exist and there is no "
                                     "target.build to make it")
@@ -288,7 +298,7 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
             chained = {"init_from": str(previous)} if previous is not None else {}
             previous = build_target(TargetRecipe(data_dir=study.data_dir, **{**stage, **chained}), out, work)
     if "drafters" in stages and study.drafter_recipe is not None:
-        from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+        from taps.train.family import DrafterRecipe, build_drafters
 
         recipe = DrafterRecipe(data_dir=study.data_dir, **{k: tuple(v) if isinstance(v, list) else v
                                                          for k, v in study.drafter_recipe.items()})
@@ -325,7 +335,7 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
     on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
     (default: the paper's 60/5/10)."""
-    from taps.tiny.drafter_recipe import BACKBONES, DOMAINS
+    from taps.train.family import BACKBONES, DOMAINS
 
     models = _embedded(models)
     target, drafters = models / "target", models / "drafters"

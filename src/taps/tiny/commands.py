@@ -160,7 +160,7 @@ def _check_target(args) -> int:
 
 
 def _build_drafters(args) -> int:
-    from taps.tiny.drafter_recipe import DrafterRecipe, build_drafters
+    from taps.train.family import DrafterRecipe, build_drafters
 
     recipe = DrafterRecipe(data_dir=args.data_dir, chat_source=args.chat_source, math_source=args.math_source,
                            n_per_domain=args.n, max_len=args.max_len, epochs=args.epochs, lr=args.lr,

@@ -129,7 +129,7 @@ def _table_worker(target_dir: str, drafters: dict[str, Path], data_dir, args: tu
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     import torch
 
-    from taps.tiny.drafter_recipe import untaken
+    from taps.train.family import untaken
 
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device="cpu", dtype="float32")

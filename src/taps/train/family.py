@@ -1,14 +1,16 @@
-"""Recipe for the embedded default's specialist drafters, with the project's own pipeline:
-`taps data mix` -> `taps features` -> `taps train`, for both backbones and four training sets,
-in the paper's proportions at a CPU scale (N records per domain):
+"""A family of specialist drafters for one target, with the project's own pipeline:
+`taps data mix` -> [`taps data regenerate`] -> `taps features` -> `taps train`, for both backbones
+and four training sets, in the paper's proportions at any scale (N records per domain):
 
     chat         N English ShareGPT conversations
     math         N GSM8K-train problems (our offline stand-in for MathInstruct)
     mixed-small  N/2 chat + N/2 math   (the paper's 35k + 35k)
     mixed-large  N chat + N math       (the paper's 70k + 70k)
 
-Features are computed once per domain; the mixtures reuse prefixes of them (a smaller draw is a
-prefix of a larger one). Every stage is resumable: rerunning the command skips finished data,
+With `regenerate`, the target first answers every prompt itself (batched; SPEC §1 calls this the
+known improvement over the data set's own responses), and the answers are put back in the drawn
+order, so a prefix of a domain is still a random draw. Features are computed once per domain; the
+mixtures reuse prefixes of them (a smaller draw is a prefix of a larger one). Every stage is resumable: rerunning the command skips finished data,
 features and drafters and resumes an interrupted training from its last checkpoint.
 """
 
@@ -47,13 +49,21 @@ class DrafterRecipe:
     mixed_precision: str = "no"  # the heads' training: "bf16" autocast on GPUs
     compile_loss: bool = False  # torch.compile the heads' vocabulary-sized loss terms
     checkpoint_steps: int | None = 100  # besides every epoch end, so a killed run loses little
+    # regeneration: the target answers the drawn prompts itself before features are extracted
+    regenerate: bool = False
+    regen_batch_size: int = 64  # records per transformers generate call
+    regen_max_new_tokens: int | dict = 512  # per answer; or {chat: N, math: M}
+    regen_max_turns: int | None = None  # keep the first K user turns of each conversation
+    regen_max_prompt_tokens: int | None = None  # skip records whose first prompt is longer
+    regen_temperature: float = 0.0
+    draft_vocab: int | None = None  # train each head over the N most frequent tokens of its data (None: all)
 
 
 def log(msg: str) -> None:
     print(f"[tiny-drafters {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _domain_data(recipe: DrafterRecipe, work: Path) -> dict[str, Path]:
+def _domain_data(recipe: DrafterRecipe, work: Path, target=None) -> dict[str, Path]:
     from taps.data.mix import mix_sources, write_jsonl
 
     files = {}
@@ -64,8 +74,32 @@ def _domain_data(recipe: DrafterRecipe, work: Path) -> dict[str, Path]:
                                   on_report=lambda r: log(str(r)))
             write_jsonl(records, path)
             log(f"{domain}: {len(records)} records -> {path}")
-        files[domain] = path
+        files[domain] = _regenerated(recipe, target, domain, path) if recipe.regenerate else path
     return files
+
+
+def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path:
+    """The domain's records answered by the target (resumable), in the order of `data`."""
+    from taps.data.features import read_records
+    from taps.data.mix import write_jsonl
+    from taps.data.regenerate import RegenerateSettings, regenerate
+
+    ordered = data.with_name(f"{domain}.train.jsonl")
+    if ordered.is_file():
+        return ordered
+    answers = data.with_name(f"{domain}.regenerated.jsonl")
+    limit = recipe.regen_max_new_tokens
+    settings = RegenerateSettings(max_new_tokens=int(limit[domain] if isinstance(limit, dict) else limit),
+                                  temperature=recipe.regen_temperature, seed=recipe.seed,
+                                  batch_size=recipe.regen_batch_size, max_turns=recipe.regen_max_turns,
+                                  max_prompt_tokens=recipe.regen_max_prompt_tokens)
+    log(f"{domain}: regenerating the answers with the target ({settings})")
+    regenerate(target, data, answers, settings)
+    by_id = {str(r["id"]): r for r in read_records(answers)}
+    kept = [by_id[str(r["id"])] for r in read_records(data) if str(r["id"]) in by_id]
+    write_jsonl(kept, ordered)  # atomically: its presence means the domain's regeneration is complete
+    log(f"{domain}: {len(kept)} regenerated records -> {ordered}")
+    return ordered
 
 
 def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
@@ -122,7 +156,9 @@ def _read_summary(out: Path) -> dict:
 # what a head's weights depend on besides the target: heads of one OUT must share them, as a build
 # may span sessions (backbones, domains, jobs, threads, device, checkpointing and --compile may differ)
 HEAD_FIELDS = ("chat_source", "math_source", "n_per_domain", "max_len", "epochs", "lr", "batch_size",
-               "warmup_steps", "seed", "dtype", "feature_dtype", "mixed_precision")
+               "warmup_steps", "seed", "dtype", "feature_dtype", "mixed_precision", "regenerate",
+               "regen_max_new_tokens", "regen_max_turns", "regen_max_prompt_tokens", "regen_temperature",
+               "draft_vocab")
 
 
 def check_same_recipe(out: Path, recipe: DrafterRecipe) -> None:
@@ -160,7 +196,7 @@ def _features(recipe: DrafterRecipe, target, work: Path) -> tuple[dict[str, Path
     from taps.data.features import FeatureSettings, extract_features
 
     features, tokens = {}, {}
-    for domain, path in _domain_data(recipe, work).items():
+    for domain, path in _domain_data(recipe, work, target).items():
         features[domain] = work / f"features-{domain}"
         manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
         tokens[domain] = int(manifest["tokens"])

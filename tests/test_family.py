@@ -1,0 +1,121 @@
+"""A family of drafters for one target (taps.train.family): data, optional regeneration by the
+target, features and both backbones' training at a toy size, resumable, in parallel workers."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from taps.target import Target
+
+
+def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
+    from taps.drafter.checkpoint import load_head
+    from taps.train.family import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1)
+    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    assert set(summary["drafters"]) == {f"{b}-{d}" for b in ("eagle2", "hass")
+                                         for d in ("chat", "math", "mixed-small", "mixed-large")}
+    for name, info in summary["drafters"].items():
+        head, meta = load_head(tmp_path / "drafters" / name, target)
+        assert meta.backbone == name.split("-")[0] and meta.training_data == name.split("-", 1)[1]
+        assert sorted(p.name for p in (tmp_path / "drafters" / name).iterdir()) == \
+            ["config.json", "metrics.jsonl", "model.safetensors"]
+    assert summary["drafters"]["eagle2-mixed-small"]["records"] == 12
+    assert summary["drafters"]["eagle2-mixed-large"]["records"] == 24
+    # a rerun finds everything done
+    again = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    assert again["drafters"] == summary["drafters"]
+    # a build spanning sessions may change how heads are trained, not what: other settings are refused
+    with pytest.raises(ValueError, match="drafters.json: its heads were trained with epochs = 1, this run has 2"):
+        build_drafters(replace(recipe, epochs=2), target_dir, tmp_path / "drafters", tmp_path / "work")
+    build_drafters(replace(recipe, compile_loss=True, checkpoint_steps=7), target_dir, tmp_path / "drafters",
+                   tmp_path / "work")
+
+
+def test_heads_taken_longest_first():
+    from taps.train.family import head_costs, longest_first
+
+    costs = head_costs({"chat": 900, "math": 300})
+    assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
+    order = longest_first(list(costs), costs)
+    assert sorted(order) == sorted(costs)
+    assert [costs[h] for h in order] == sorted(costs.values(), reverse=True)
+    assert order[0] == ("hass", "mixed-large") and order[-1] == ("eagle2", "math")
+
+
+def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):
+    from taps.train.family import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=12, max_len=48, epochs=1, batch_size=4, warmup_steps=1, threads=1,
+                           backbones=("eagle2",), domains=("chat", "math", "mixed-small"))
+    one = build_drafters(recipe, target_dir, tmp_path / "one", tmp_path / "w1")
+    two = build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
+    assert set(two["drafters"]) == set(one["drafters"]) == {"eagle2-chat", "eagle2-math", "eagle2-mixed-small"}
+    for name in one["drafters"]:
+        a, b = load_file(tmp_path / "one" / name / "model.safetensors"), load_file(tmp_path / "two" / name / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    (tmp_path / "two" / "drafters.json").write_text("{")
+    with pytest.raises(ValueError, match="drafters.json: not valid JSON"):
+        build_drafters(recipe, target_dir, tmp_path / "two", tmp_path / "w2", jobs=2)
+
+
+def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypatch):
+    """With --jobs, --threads is each worker's share: the features, extracted before the workers
+    start, use the whole machine; one job keeps --threads throughout."""
+    from taps.train import family as drafter_recipe
+    from taps.train.family import DrafterRecipe, build_drafters
+
+    class Seen(Exception):
+        pass
+
+    def features(recipe, target, work):
+        raise Seen(torch.get_num_threads())
+
+    monkeypatch.setattr(drafter_recipe, "_features", features)
+    monkeypatch.setattr("taps.target.Target.load", lambda *a, **k: None)
+    before = torch.get_num_threads()
+    try:
+        seen = {}
+        for jobs in (2, 1):
+            torch.set_num_threads(before)
+            with pytest.raises(Seen) as err:
+                build_drafters(DrafterRecipe(threads=1), "unused", tmp_path / f"out{jobs}", tmp_path / "work", jobs=jobs)
+            seen[jobs] = err.value.args[0]
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {2: before, 1: 1}
+
+
+def test_regenerated_data_keeps_the_drawn_order(tmp_path, data_dir, target_dir):
+    """With regenerate, the target answers every drawn prompt (batched), the answers go back in the
+    drawn order (so mixed-small's prefixes stay a random draw), and the features are built from them."""
+    from taps.data.features import read_records
+    from taps.data.regenerate import RegenerateSettings, regenerate
+    from taps.train.family import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=10, max_len=48, epochs=1, batch_size=4, warmup_steps=1,
+                           backbones=("eagle2",), domains=("math", "mixed-small"), regenerate=True,
+                           regen_batch_size=4, regen_max_new_tokens={"chat": 5, "math": 6})
+    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    assert set(summary["drafters"]) == {"eagle2-math", "eagle2-mixed-small"}
+    work = tmp_path / "work"
+    for domain, limit in (("chat", 5), ("math", 6)):
+        drawn, trained = read_records(work / f"{domain}.jsonl"), read_records(work / f"{domain}.train.jsonl")
+        assert [r["id"] for r in trained] == [r["id"] for r in drawn]
+        target = Target.load(target_dir, device="cpu", dtype="float32")
+        one = tmp_path / f"{domain}-one.jsonl"
+        regenerate(target, work / f"{domain}.jsonl", one, RegenerateSettings(max_new_tokens=limit), progress=None)
+        by_id = {r["id"]: r["conversations"] for r in read_records(one)}
+        assert all(r["conversations"] == by_id[r["id"]] for r in trained)  # the target's own greedy answers
+        manifest = json.loads((work / f"features-{domain}" / "manifest.json").read_text())
+        assert manifest["data_file"].endswith(f"{domain}.train.jsonl")
+    with pytest.raises(ValueError, match="regen_max_new_tokens"):
+        build_drafters(replace(recipe, regen_max_new_tokens=7), target_dir, tmp_path / "drafters", tmp_path / "work")
