@@ -216,3 +216,19 @@ def test_tiny_config_retrains_the_shipped_drafters_by_their_recipe():
     for key in set(ours) - {"data_dir", "backbones", "domains"}:  # the last run named a subset of the heads
         # a field added after the heads were built must keep its default (what they were built with)
         assert ours[key] == built.get(key, defaults[key]), key
+
+
+def test_demo_on_a_models_directory_named_after_a_known_target(tmp_path):
+    """models/smollm2-135m-instruct holds only drafters: the target is the installed package's GGUF file."""
+    from taps.drafter.checkpoint import write_untrained
+    from taps.eval.study import demo_study
+
+    models = tmp_path / "smollm2-135m-instruct"
+    for domain in ("chat", "math", "mixed-small", "mixed-large"):
+        write_untrained("smollm2-135m-instruct", models / "drafters" / f"eagle2-{domain}")
+    study = demo_study(models, tmp_path / "out", None, 1, 8, dtype="bfloat16")
+    assert str(study.target) == "smollm2-135m-instruct" and study.dtype == "bfloat16"
+    assert {v.name for v in study.variants} >= {"baseline", "eagle2-math", "eagle2-routed", "eagle2-merged"}
+    assert not any(v.name.startswith("hass") for v in study.variants)
+    with pytest.raises(FileNotFoundError, match="no embedded target here"):
+        demo_study(tmp_path / "elsewhere", tmp_path / "out", None, 1, 8)

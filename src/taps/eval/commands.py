@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import DefaultsHelpFormatter, add_device_arguments, add_tree_arguments
+from taps.cli_args import DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
@@ -114,6 +114,8 @@ def register_study(sub) -> None:
     d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
     d.add_argument("--max-new-tokens", type=int, default=96, help="answer length cap per turn")
     add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (e.g. 16/5/4)
+    d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
+                                                                   "GPU, fp32 on CPU)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
@@ -153,7 +155,8 @@ def _demo(args) -> int:
     from taps.eval.study import demo_study, run_study
 
     tree = {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k}
-    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree)
+    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree,
+                       dtype=args.dtype)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
           f"each, temperature 0, tree {args.total_tokens}/{args.depth}/{args.top_k}) on {study.target}")
     try:

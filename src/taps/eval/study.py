@@ -330,17 +330,23 @@ def _embedded(models: str | Path) -> Path:
 
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
-               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75), tree: dict | None = None) -> Study:
+               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75), tree: dict | None = None,
+               dtype: str = "auto") -> Study:
     """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
     on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
     (default: the paper's 60/5/10)."""
     from taps.train.family import BACKBONES, DOMAINS
 
+    from taps.target_source import KNOWN_TARGETS
+
     models = _embedded(models)
     target, drafters = models / "target", models / "drafters"
     if not (target / "config.json").is_file():
-        raise FileNotFoundError(f"{target}: no embedded target here; pass --models DIR (with target/ and drafters/)")
+        if models.name not in KNOWN_TARGETS:
+            raise FileNotFoundError(f"{target}: no embedded target here; pass --models DIR (with drafters/, and "
+                                    f"target/ unless DIR is named after a known target: {', '.join(KNOWN_TARGETS)})")
+        target = Path(models.name)  # e.g. models/smollm2-135m-instruct: the installed package's GGUF file
     missing = {b: [d for d in DOMAINS if not (drafters / f"{b}-{d}" / "model.safetensors").is_file()] for b in BACKBONES}
     backbones = [b for b in BACKBONES if not missing[b]]
     for b in BACKBONES:
@@ -353,6 +359,6 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
-                       "limit": per_bench, "max_new_tokens": max_new_tokens,
+                       "limit": per_bench, "max_new_tokens": max_new_tokens, "dtype": dtype,
                        **({"tree": dict(tree)} if tree else {})}}
     return study_from_dict(config, "taps demo", data_dir)
