@@ -7,7 +7,7 @@ import pytest
 
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.target import Target
-from taps.tiny.drafter_table import acceptance_table, to_markdown
+from taps.eval.drafter_table import acceptance_table, to_markdown
 from taps.tiny.target_check import (chat_measures, check_target, distinct_4gram_share, final_number,
                                     follows_gsm8k_format, mt_bench_temperature, question_word_recall)
 
@@ -90,7 +90,7 @@ def test_check_target_and_table_run(tmp_path, target_dir, data_dir):
 
 
 def test_table_grows_and_remeasures_only_changed_drafters(tmp_path, target_dir, data_dir):
-    from taps.tiny.drafter_table import update_table
+    from taps.eval.drafter_table import update_table
 
     target = Target.load(target_dir, device="cpu", dtype="float32")
     info = DrafterInfo(tokenizer_fingerprint=target.fingerprint())
@@ -118,7 +118,7 @@ def test_table_grows_and_remeasures_only_changed_drafters(tmp_path, target_dir, 
 
 
 def test_table_in_parallel_workers_matches_one_process(tmp_path, target_dir, data_dir):
-    from taps.tiny.drafter_table import update_table
+    from taps.eval.drafter_table import update_table
 
     target = Target.load(target_dir, device="cpu", dtype="float32")
     info = DrafterInfo(tokenizer_fingerprint=target.fingerprint())

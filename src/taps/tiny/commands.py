@@ -89,6 +89,8 @@ def register(sub) -> None:
     a.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun measures only new or retrained drafters")
     a.add_argument("--jobs", type=int, default=1, help="measure this many drafters at once, in separate processes "
                                                        "(on a CPU: one per core); the same rows as one process")
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's and heads' dtype (bf16: the fast path on AMX CPUs and GPUs)")
     a.set_defaults(func=_drafter_table)
 
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
@@ -130,13 +132,13 @@ def _drafter_table(args) -> int:
     from pathlib import Path
 
     from taps.target import Target
-    from taps.tiny.drafter_table import to_markdown, update_table
+    from taps.eval.drafter_table import to_markdown, update_table
 
     temps = tuple(float(x) for x in args.temperatures.split(","))
     drafters = {p.name: p for p in sorted(Path(args.drafters).iterdir()) if (p / "model.safetensors").is_file()}
     if not drafters:
         raise FileNotFoundError(f"{args.drafters}: no drafter directories (<name>/model.safetensors)")
-    table = update_table(Target.load(args.target, device="cpu", dtype="float32"), drafters, _data_dir(args),
+    table = update_table(Target.load(args.target, device="cpu", dtype=args.dtype), drafters, _data_dir(args),
                          args.out, args.n, temps, args.max_new_tokens, jobs=args.jobs, target_dir=args.target)
     print(to_markdown(table, temps))
     return 0

@@ -1,7 +1,7 @@
 """The model card's acceptance table: every shipped drafter on the first n GSM8K-test and n
 MT-Bench (first turn) questions, at temperatures 0 and 1, with the pooled acceptance length
-(new tokens / verifier calls, SPEC §5) of each cell. A small stand-in for the study harness of
-issue 6, kept here so the embedded default documents itself.
+(new tokens / verifier calls, SPEC §5) of each cell: the quick, per-head view of a family of
+heads that a model card quotes (the study, `taps eval`, measures compositions and more).
 
 The table is written after every drafter and a rerun measures only the drafters whose weights
 or settings changed, so a table can grow while heads are still training."""
@@ -17,16 +17,15 @@ from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, weights_digest
 from taps.propose.single import SingleProposer
+from taps.eval.benchmarks import load_benchmark
 from taps.target import Target
-from taps.tiny.target_check import first_rows
 
 BENCHES = ("gsm8k", "mt_bench")
 
 
 def bench_prompts(data_dir: str | Path, n: int) -> dict[str, list[str]]:
-    data_dir = Path(data_dir)
-    return {"gsm8k": [r["question"] for r in first_rows(data_dir / "gsm8k" / "test.jsonl", n)],
-            "mt_bench": [r["turns"][0] for r in first_rows(data_dir / "mt_bench" / "question.jsonl", n)]}
+    """The first user turn of the first n questions of each benchmark."""
+    return {bench: [q.turns[0] for q in load_benchmark(bench, data_dir, limit=n)] for bench in BENCHES}
 
 
 def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, n: int = 20,
@@ -69,7 +68,7 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
 
 def table_settings(target: Target, n: int, temperatures: tuple[float, ...], max_new_tokens: int, seed: int) -> dict:
     return {"target_tokenizer": target.fingerprint(), "n": n, "temperatures": list(temperatures),
-            "max_new_tokens": max_new_tokens, "seed": seed}
+            "max_new_tokens": max_new_tokens, "seed": seed, "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, str]) -> dict:
@@ -115,7 +114,7 @@ def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path
         if target_dir is None:
             raise ValueError("update_table(jobs > 1) needs target_dir: each worker process loads the target")
         table = dict(done)
-        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target_dir), data_dir,
+        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target_dir), settings["dtype"], data_dir,
                             (n, temperatures, max_new_tokens, seed), jobs, save)
     else:
         table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
@@ -124,15 +123,15 @@ def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path
     return table
 
 
-def _table_worker(target_dir: str, drafters: dict[str, Path], data_dir, args: tuple, order: list[str], taken,
-                  results, threads: int) -> None:
+def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_dir, args: tuple, order: list[str],
+                  taken, results, threads: int) -> None:
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     import torch
 
     from taps.train.family import untaken
 
     torch.set_num_threads(threads)
-    target = Target.load(target_dir, device="cpu", dtype="float32")
+    target = Target.load(target_dir, device="cpu", dtype=dtype)
     n, temperatures, max_new_tokens, seed = args
 
     for name in untaken(order, taken):
@@ -145,8 +144,8 @@ def _table_worker(target_dir: str, drafters: dict[str, Path], data_dir, args: tu
             results.put((name, None, 0.0, f"{type(e).__name__}: {e}"))
 
 
-def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, data_dir, args: tuple, jobs: int,
-                        save: Callable) -> None:
+def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, data_dir, args: tuple,
+                        jobs: int, save: Callable) -> None:
     """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
     import multiprocessing
     import os
@@ -156,7 +155,7 @@ def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dat
     taken, results = ctx.Value("i", 0), ctx.Queue()
     jobs = min(jobs, len(todo))
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    procs = [ctx.Process(target=_table_worker, args=(target_dir, todo, str(data_dir), args, list(todo), taken,
+    procs = [ctx.Process(target=_table_worker, args=(target_dir, dtype, todo, str(data_dir), args, list(todo), taken,
                                                       results, threads)) for _ in range(jobs)]
     for proc in procs:
         proc.start()
