@@ -23,8 +23,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode a prompt, speculatively with --drafter or plainly without")
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--drafter", action="append", type=_named_drafter, metavar="[NAME=]DIR",
-                   help="drafter directory (EAGLE layout); repeat to combine several with --strategy; "
-                        "omit for plain decoding")
+                   help="drafter directory (EAGLE layout), or `lookup` (prompt lookup, model-free); repeat to "
+                        "combine several with --strategy; omit for plain decoding")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
@@ -54,9 +54,8 @@ def _named_drafter(text: str) -> tuple[str, str]:
 def _generate(args) -> int:
     from taps.config import DecodeConfig, SamplingConfig, TreeConfig
     from taps.decode import chat_ids, generate
-    from taps.drafter.checkpoint import load_head
     from taps.propose.commands import strategy_options
-    from taps.propose.factory import build_proposer
+    from taps.propose.factory import build_proposer, load_member
     from taps.target import Target
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
@@ -75,7 +74,7 @@ def _generate(args) -> int:
         names = [name for name, _ in args.drafter]
         if len(set(names)) != len(names):
             raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
-        heads = {name: load_head(path, target, attn_implementation=args.attn)[0] for name, path in args.drafter}
+        heads = {name: load_member(path, target, attn_implementation=args.attn) for name, path in args.drafter}
         proposer = build_proposer(heads=heads, tree=TreeConfig(args.total_tokens, args.depth, args.top_k),
                                   **strategy_options(args))
     elif args.strategy != "single":

@@ -7,7 +7,9 @@ SPEC (shell-safe, no quoting needed):
                                            drafters a single number l means l*A + (1-l)*B)
     route[-confidence|-entropy][-step|-turn]:A,B,...   routing (default confidence, step)
     merge[-disjoint|-trie|-budget]:A,B,...             merged trees (default disjoint)
-where each member A is `[name=]DIR` (the name defaults to the directory's name). In a YAML
+where each member A is `[name=]DIR` (the name defaults to the directory's name), or `lookup`:
+prompt lookup, the model-free drafter (propose/lookup.py; it routes and merges, it cannot be
+averaged; a directory named `lookup` still means the directory). In a YAML
 config a variant is either such a string or a mapping with the same fields as VariantSpec.
 
 The proposer for a conversation is built fresh (compositions keep per-turn state), from heads
@@ -21,9 +23,8 @@ from pathlib import Path
 
 from taps.config import TreeConfig
 from taps.drafter.average import average_heads, check_weights
-from taps.drafter.checkpoint import load_head
 from taps.propose.base import Proposer
-from taps.propose.factory import GRANULARITIES, MERGE_MODES, SIGNALS, build_proposer
+from taps.propose.factory import GRANULARITIES, MERGE_MODES, SIGNALS, LookupSpec, build_proposer, load_member
 
 KINDS = ("baseline", "single", "average", "route", "merge")
 
@@ -166,7 +167,7 @@ class HeadPool:
     def head(self, path: str):
         key = str(Path(path).resolve())
         if key not in self._heads:
-            self._heads[key], _ = load_head(path, self.target, attn_implementation=self.attn)
+            self._heads[key] = load_member(path, self.target, attn_implementation=self.attn)
         return self._heads[key]
 
     def proposer(self, spec: VariantSpec, tree: TreeConfig) -> Proposer | None:
@@ -175,6 +176,10 @@ class HeadPool:
             return None
         heads = {n: self.head(d) for n, d in spec.drafters}
         if spec.strategy == "average":
+            lookups = [n for n, h in heads.items() if isinstance(h, LookupSpec)]
+            if lookups:
+                raise VariantSpecError(f"variant {spec.name!r}: average combines head weights; {', '.join(lookups)} "
+                                       "is prompt lookup, which has none (route or merge it instead)")
             key = (tuple(str(Path(d).resolve()) for _, d in spec.drafters), spec.weights)
             if key not in self._averages:
                 self._averages[key] = average_heads(list(heads.values()), spec.weights)

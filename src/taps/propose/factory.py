@@ -5,17 +5,22 @@ Proposer. Algorithms never see these strings: each name maps to a class, a signa
     average  the weighted average of the drafters' heads  SingleProposer(average_heads(...))
     route    per-step or per-turn routing                 RoutedProposer(signal, granularity)
     merge    one verification of the merged trees         MergedProposer(merge mode)
+
+A member is an EAGLE head, or a `LookupSpec` (prompt lookup, propose/lookup.py): a model-free
+drafter that routes and merges like any head (it cannot be weight-averaged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from taps.config import TreeConfig
 from taps.drafter.average import average_heads
 from taps.drafter.head import EagleHead
 from taps.propose.base import Proposer
+from taps.propose.lookup import LookupProposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
@@ -31,6 +36,33 @@ MERGE_MODES: dict[str, Callable[[TreeConfig], Merge]] = {
     "budget": lambda tree: partial(merge_budget, total_tokens=tree.total_tokens),
 }
 STRATEGIES = ("single", "average", "route", "merge")
+LOOKUP = "lookup"  # the member name / path that means prompt lookup instead of a head directory
+
+
+@dataclass(frozen=True)
+class LookupSpec:
+    """A prompt-lookup member: n-gram sizes tried, longest first."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+
+def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
+    """A member named on a command line or in a config: `lookup` (unless a directory of that name
+    exists) is prompt lookup; anything else is a drafter directory, loaded strictly for the target."""
+    from pathlib import Path
+
+    from taps.drafter.checkpoint import load_head
+
+    if path == LOOKUP and not Path(path).is_dir():
+        return LookupSpec()
+    return load_head(path, target, **head_options)[0]
+
+
+def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int) -> Proposer:
+    if isinstance(member, LookupSpec):
+        return LookupProposer(tree, member.max_ngram, member.min_ngram, source=source)
+    return SingleProposer(member, tree, source=source)
 
 
 def _pick(kind: str, value: str, table) -> object:
@@ -39,7 +71,7 @@ def _pick(kind: str, value: str, table) -> object:
     return table[value] if isinstance(table, dict) else value
 
 
-def build_proposer(strategy: str, heads: Mapping[str, EagleHead], tree: TreeConfig = TreeConfig(),
+def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig = TreeConfig(),
                    signal: str = "confidence", granularity: str = "step", merge_mode: str = "disjoint",
                    weights: Sequence[float] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
@@ -57,10 +89,14 @@ def build_proposer(strategy: str, heads: Mapping[str, EagleHead], tree: TreeConf
         if len(names) != 1:
             raise ValueError(f"--strategy single takes exactly one drafter, got {len(names)} ({', '.join(names)}); "
                              "use --strategy average, route or merge to combine several")
-        return SingleProposer(heads[names[0]], tree)
+        return _member(heads[names[0]], tree, 0)
     if strategy == "average":
+        lookups = [n for n in names if isinstance(heads[n], LookupSpec)]
+        if lookups:
+            raise ValueError(f"--strategy average averages head weights; {', '.join(lookups)} is prompt lookup, "
+                             "which has none (route or merge it instead)")
         return SingleProposer(average_heads([heads[n] for n in names], weights), tree)
-    singles = [SingleProposer(heads[n], tree, source=i) for i, n in enumerate(names)]
+    singles = [_member(heads[n], tree, i) for i, n in enumerate(names)]
     if strategy == "route":
         return RoutedProposer(singles, signal=routing_signal, per_turn=per_turn, names=names)
     return MergedProposer(singles, merge=merge_for(tree), names=names)

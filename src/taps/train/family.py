@@ -60,7 +60,7 @@ class DrafterRecipe:
 
 
 def log(msg: str) -> None:
-    print(f"[tiny-drafters {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[drafters {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _domain_data(recipe: DrafterRecipe, work: Path, target=None) -> dict[str, Path]:

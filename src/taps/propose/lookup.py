@@ -1,0 +1,137 @@
+"""LookupProposer: prompt-lookup decoding as a Proposer (a model-free specialist).
+
+Drafts are continuations of earlier occurrences of the sequence's last n tokens, in the prompt
+or in the output so far (Saxena's prompt lookup decoding; transformers' `prompt_lookup_num_tokens`).
+It costs no model forward, and it is strongest exactly where a chat head is weakest: copying
+numbers and names of a GSM8K question, repeating code or a list the answer builds on.
+
+The tree: for n = max_ngram down to min_ngram, the continuations (up to `depth` tokens) that
+follow the most recent occurrences of the last n tokens are inserted into a trie under the root,
+longest n and most recent occurrence first, until `top_k` continuations or `total_tokens` nodes.
+Node scores make the tree usable in routed and merged compositions, whose rules read them:
+  logp(node) = depth * log(q) + log(1 / (rank + 1))
+where q is this proposer's own running rate of accepted draft tokens (a Beta(1, 1) prior, then
+accepted / tried on the verified branch, SPEC's conditional acceptance rate), so a confidence of
+exp(logp) is a calibrated estimate, and `rank` orders the continuations. A node's entropy is the
+binary entropy of q (the draft is deterministic; this keeps the entropy router's scale). With no
+match the tree is the root alone: one step of plain decoding.
+
+An incremental index (n-gram -> positions that follow it) makes each proposal O(matches), not
+O(sequence length). Verification is unchanged, so decoding stays lossless (SPEC §3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from taps.config import TreeConfig
+from taps.tree import DraftTree
+from taps.verify import Acceptance
+
+
+class LookupProposer:
+    def __init__(self, tree: TreeConfig = TreeConfig(), max_ngram: int = 3, min_ngram: int = 1, source: int = 0):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.tree = tree
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.source = source
+        self.accepted, self.tried = 1.0, 2.0  # Beta(1, 1): q starts at 0.5
+        self._seq: list[int] = []
+        self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
+        self._last: DraftTree | None = None
+        self._device = torch.device("cpu")
+
+    # ---- the sequence and its index ------------------------------------------------------------
+    def _append(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._seq.append(token)
+            end = len(self._seq)  # the n-grams ending here are followed by position `end`
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._follows.setdefault(tuple(self._seq[end - n:end]), []).append(end)
+
+    @property
+    def q(self) -> float:
+        """Running estimate of P(a lookup draft token is accepted | its parent was)."""
+        return self.accepted / self.tried
+
+    # ---- the Proposer protocol ---------------------------------------------------------------
+    def start(self, features: Tensor, tokens: Tensor) -> None:
+        self._seq, self._follows, self._last = [], {}, None
+        self._device = tokens.device
+        self._append(tokens.tolist())
+
+    def continuations(self) -> list[list[int]]:
+        """Up to top_k candidate continuations, best first (longest match, then most recent)."""
+        seq, depth, found, seen = self._seq, self.tree.depth, [], set()
+        for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
+            # the last occurrence is the suffix itself: nothing follows it yet
+            for start in reversed(self._follows.get(tuple(seq[-n:]), [])[:-1]):
+                cont = tuple(seq[start:start + depth])
+                if cont and cont not in seen:
+                    seen.add(cont)
+                    found.append(list(cont))
+                    if len(found) == self.tree.top_k:
+                        return found
+        return found
+
+    def propose(self) -> DraftTree:
+        if not self._seq:
+            raise RuntimeError("propose() before start()")
+        log_q = math.log(self.q)
+        h_q = -(self.q * log_q + (1 - self.q) * math.log(max(1 - self.q, 1e-12)))
+        tokens, parents, logp = [self._seq[-1]], [-1], [0.0]
+        child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        budget = self.tree.total_tokens - 1
+        for rank, cont in enumerate(self.continuations()):
+            node = 0
+            for d, token in enumerate(cont, 1):
+                if (node, token) in child:
+                    node = child[(node, token)]
+                    continue
+                if len(tokens) - 1 == budget:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                logp.append(d * log_q - math.log(rank + 1))
+                child[(node, token)] = node = len(tokens) - 1
+        n = len(tokens)
+        tree = DraftTree(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
+            parents=torch.tensor(parents, dtype=torch.long, device=self._device),
+            logp=torch.tensor(logp, device=self._device),
+            entropy=torch.tensor([0.0] + [h_q] * (n - 1), device=self._device),
+            source=torch.tensor([-1] + [self.source] * (n - 1), dtype=torch.long, device=self._device),
+        )
+        self._last = tree
+        return tree
+
+    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
+        """Score the last tree against the tokens the target emitted (whichever tree was verified:
+        alone, routed or merged), then extend the sequence and its index."""
+        emitted = acceptance.new_tokens  # accepted draft tokens, then the bonus: the target's own tokens
+        if self._last is not None and self._last.size > 1:
+            matched, rejected = _walk(self._last, emitted)
+            self.accepted += matched
+            self.tried += matched + int(rejected)
+        self._last = None
+        self._append(emitted)
+
+
+def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:
+    """How many of `emitted` the tree holds as a path from its root, and whether it then offered
+    children that the target's next token rejected."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if parent >= 0:
+            children.setdefault(parent, {})[token] = node
+    node, matched = 0, 0
+    for token in emitted:
+        nxt = children.get(node, {}).get(token)
+        if nxt is None:
+            return matched, node in children
+        node, matched = nxt, matched + 1
+    return matched, False

@@ -1,0 +1,160 @@
+"""Prompt lookup as a Proposer: the n-gram continuations it drafts, its calibrated scores, and
+losslessness alone and inside routed and merged compositions (greedy identity, sampling)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import cached_model, hf_greedy
+from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.decode import generate
+from taps.drafter.checkpoint import init_head
+from taps.propose.factory import LookupSpec, build_proposer
+from taps.propose.lookup import LookupProposer
+from taps.target import Target
+from taps.testing import tiny_model
+from taps.verify import Acceptance
+
+TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
+
+
+def started(seq, tree=TREE, **kw):
+    proposer = LookupProposer(tree, **kw)
+    proposer.start(torch.zeros(len(seq) - 1, 4), torch.tensor(seq))
+    return proposer
+
+
+def test_longest_match_first_then_most_recent():
+    seq = [5, 6, 7, 8, 1, 9, 6, 7, 3, 2, 5, 6, 7]
+    # (5, 6, 7) occurs once before the end: its continuation comes first; then (6, 7)'s other one
+    assert started(seq).continuations() == [[8, 1, 9, 6, 7], [3, 2, 5, 6, 7]]
+    assert started(seq, min_ngram=3).continuations() == [[8, 1, 9, 6, 7]]
+    assert started([1, 2, 3, 4]).continuations() == []  # nothing repeats: no draft
+
+
+def test_tree_is_a_trie_with_calibrated_scores():
+    seq = [4, 1, 2, 3, 9, 4, 1, 2, 8, 4]
+    proposer = started(seq)
+    tree = proposer.propose()
+    assert tree.tokens[0].item() == 4
+    # continuations after "4": [1, 2, 8, 4] (most recent) and [1, 2, 3, 9, 4]: they share "1 2"
+    paths = [[tree.tokens[i].item() for i in row if i >= 0][1:] for row in tree.paths()]
+    assert sorted(paths) == [[1, 2, 3, 9, 4], [1, 2, 8, 4]]
+    assert tree.size == 1 + 2 + 2 + 3
+    depth = tree.depth()
+    first_rank = (tree.logp[1:] - depth[1:] * math.log(0.5)).abs() < 1e-6  # rank 0 nodes: d * log q
+    assert int(first_rank.sum()) == 4  # 1, 2, 8, 4 from the most recent occurrence
+    assert bool((tree.logp[1:] <= tree.logp[tree.parents[1:]] + 1e-6).all())  # scores fall along paths
+
+
+def test_budget_caps_the_tree():
+    seq = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1]
+    small = started(seq, tree=TreeConfig(total_tokens=4, depth=5, top_k=4)).propose()
+    assert small.size == 4
+
+
+def test_acceptance_rate_is_learned_from_what_the_target_emitted():
+    seq = [4, 1, 2, 3, 9, 4]
+    proposer = started(seq)
+    tree = proposer.propose()  # the chain 1, 2, 3, 9, 4
+    # the target emitted 1, 2 and then 7 (the draft's 3 was rejected), whichever tree was verified
+    acceptance = Acceptance(nodes=torch.tensor([0, 1, 2]), tokens=torch.tensor([4, 1, 2]), bonus=7)
+    proposer.observe(acceptance, torch.zeros(3, 4))
+    assert proposer.accepted == 1 + 2 and proposer.tried == 2 + 3
+    assert proposer._seq[-3:] == [1, 2, 7]
+    assert tree.size == 6
+
+
+ARCH_TREE = TreeConfig(total_tokens=24, depth=5, top_k=4)
+
+
+def loop_prompt():
+    return [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_lookup_is_lossless_and_accepts_repeats(arch):
+    model = cached_model(arch)
+    target = Target(model)
+    prompt = loop_prompt()
+    reference = hf_greedy(model, prompt, 40)
+    result = generate(target, LookupProposer(ARCH_TREE), prompt, DecodeConfig(max_new_tokens=40))
+    assert result.tokens == reference
+    # a random tiny model falls into loops, which lookup drafts: some drafts are accepted
+    assert result.acceptance_length > 1.0
+
+
+@pytest.mark.parametrize("spec", [dict(strategy="route", signal="confidence", granularity="step"),
+                                  dict(strategy="route", signal="entropy", granularity="turn"),
+                                  dict(strategy="merge", merge_mode="disjoint"),
+                                  dict(strategy="merge", merge_mode="trie"),
+                                  dict(strategy="merge", merge_mode="budget")])
+def test_lookup_composed_with_a_head_is_lossless(spec):
+    model = cached_model("llama")
+    target = Target(model)
+    head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    proposer = build_proposer(heads={"head": head, "lookup": LookupSpec()}, tree=ARCH_TREE, **spec)
+    prompt = loop_prompt()
+    result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=32))
+    assert result.tokens == hf_greedy(model, prompt, 32)
+
+
+def test_lookup_cannot_be_averaged():
+    model = cached_model("llama")
+    target = Target(model)
+    head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    with pytest.raises(ValueError, match="lookup is prompt lookup"):
+        build_proposer("average", heads={"head": head, "lookup": LookupSpec()})
+
+
+def test_sampling_with_lookup_keeps_the_target_distribution():
+    """The second new token over many seeds, with lookup drafting from a prompt that repeats,
+    against the exact marginal sum_a p(a) p(. | a) of the target."""
+    vocab = 8
+    model = tiny_model("llama", seed=7, vocab_size=vocab, hidden_size=32, layers=1, heads=2, kv_heads=1,
+                       intermediate=64)
+    target = Target(model)
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # every token after "2" has been seen: drafts exist
+
+    def probs(seq):
+        with torch.inference_mode():
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+
+    exact = sum(probs(prompt)[a] * probs(prompt + [a]) for a in range(vocab))
+    n, seconds, accepted = 1500, [], 0
+    for seed in range(n):
+        result = generate(target, LookupProposer(TreeConfig(8, 3, 4)), prompt,
+                          DecodeConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed))
+        seconds.append(result.tokens[1])
+        accepted += result.steps[0].accepted
+    counts = torch.bincount(torch.tensor(seconds), minlength=vocab).double() / n
+    tv = 0.5 * float((counts - exact).abs().sum())
+    bound = 0.5 * math.sqrt(2 * (vocab * math.log(2) + math.log(1e6)) / n)
+    assert accepted > n // 100  # lookup drafts were accepted (and rejected): both paths exercised
+    assert tv < bound
+
+
+def test_cli_and_study_name_lookup_as_a_member(tmp_path, target_dir, capsys):
+    import json
+
+    from taps.cli import main
+    from taps.eval.variants import HeadPool, parse_variant
+
+    args = ["generate", "--target", str(target_dir), "--prompt-ids", ",".join(map(str, loop_prompt())),
+            "--max-new-tokens", "24", "--device", "cpu", "--json", "--total-tokens", "16", "--top-k", "4"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--drafter", "lookup"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    head = tmp_path / "head"
+    assert main(["drafter", "init", "--target", str(target_dir), "--out", str(head)]) == 0
+    variant = parse_variant(f"mix=merge-budget:head={head},lookup")
+    assert variant.drafters == (("head", str(head)), ("lookup", "lookup"))
+    pool = HeadPool(Target.load(target_dir, device="cpu", dtype="float32"))
+    assert pool.proposer(variant, TREE) is not None
+    with pytest.raises(ValueError, match="prompt lookup"):
+        pool.proposer(parse_variant(f"avg=average:head={head},lookup"), TREE)
