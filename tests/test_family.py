@@ -75,7 +75,7 @@ def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypat
     class Seen(Exception):
         pass
 
-    def features(recipe, target, work):
+    def features(recipe, target, work, sources):
         raise Seen(torch.get_num_threads())
 
     monkeypatch.setattr(drafter_recipe, "_features", features)
@@ -119,3 +119,16 @@ def test_regenerated_data_keeps_the_drawn_order(tmp_path, data_dir, target_dir):
         assert manifest["data_file"].endswith(f"{domain}.train.jsonl")
     with pytest.raises(ValueError, match="regen_max_new_tokens"):
         build_drafters(replace(recipe, regen_max_new_tokens=7), target_dir, tmp_path / "drafters", tmp_path / "work")
+
+
+def test_only_the_domains_the_pending_heads_need_are_prepared(tmp_path, data_dir, target_dir):
+    from taps.train.family import DrafterRecipe, build_drafters
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=8, max_len=48, epochs=1, batch_size=4, warmup_steps=1,
+                           backbones=("eagle2",), domains=("math",))
+    build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    assert (tmp_path / "work" / "features-math").is_dir() and not (tmp_path / "work" / "chat.jsonl").exists()
+    build_drafters(replace(recipe, domains=("math", "mixed-small")), target_dir, tmp_path / "drafters",
+                   tmp_path / "work")
+    assert (tmp_path / "work" / "features-chat").is_dir()

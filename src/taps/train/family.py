@@ -63,11 +63,17 @@ def log(msg: str) -> None:
     print(f"[drafters {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _domain_data(recipe: DrafterRecipe, work: Path, target=None) -> dict[str, Path]:
+# the source domains each training set draws from
+SOURCES = {"chat": ("chat",), "math": ("math",), "mixed-small": ("chat", "math"), "mixed-large": ("chat", "math")}
+
+
+def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat", "math")) -> dict[str, Path]:
     from taps.data.mix import mix_sources, write_jsonl
 
     files = {}
     for domain, source, english in (("chat", recipe.chat_source, True), ("math", recipe.math_source, False)):
+        if domain not in sources:
+            continue
         path = work / f"{domain}.jsonl"
         if not path.is_file():
             records = mix_sources([f"{source}:{recipe.n_per_domain}"], recipe.seed, recipe.data_dir, english=english,
@@ -104,9 +110,9 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path
 
 def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
     """The features each training set uses: whole domains, or the first N/2 of each."""
-    return {"chat": [str(features["chat"])], "math": [str(features["math"])],
-            "mixed-small": [f"{features['chat']}:{n // 2}", f"{features['math']}:{n // 2}"],
-            "mixed-large": [str(features["chat"]), str(features["math"])]}[domain]
+    if domain == "mixed-small":
+        return [f"{features['chat']}:{n // 2}", f"{features['math']}:{n // 2}"]
+    return [str(features[source]) for source in SOURCES[domain]]
 
 
 # HASS's three aligned steps cost ~3x EAGLE-2 per token: bench/train_speed.py measured 3.6x (fp32) and
@@ -118,7 +124,7 @@ HASS_COST = 3.0
 def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
     """Relative training cost of every (backbone, domain) head from the domains' feature tokens,
     for balancing heads over worker processes."""
-    chat, math = tokens["chat"], tokens["math"]
+    chat, math = tokens.get("chat", 0), tokens.get("math", 0)
     per_domain = {"chat": chat, "math": math, "mixed-small": (chat + math) / 2, "mixed-large": chat + math}
     return {(b, d): per_domain[d] * (HASS_COST if b == "hass" else 1.0) for b in BACKBONES for d in DOMAINS}
 
@@ -191,12 +197,14 @@ def _record(out: Path, recipe: DrafterRecipe, name: str | None = None, entry: di
     return summary
 
 
-def _features(recipe: DrafterRecipe, target, work: Path) -> tuple[dict[str, Path], dict[str, int]]:
-    """Data and features of both domains (skipped when done): their directories and token counts."""
+def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math")) -> tuple[dict[str, Path], dict[str, int]]:
+    """Data and features of the source domains (skipped when done): their directories and token
+    counts. Only the domains the pending heads draw from are prepared, so the math heads can train
+    while the chat data is still being regenerated elsewhere."""
     from taps.data.features import FeatureSettings, extract_features
 
     features, tokens = {}, {}
-    for domain, path in _domain_data(recipe, work, target).items():
+    for domain, path in _domain_data(recipe, work, target, sources).items():
         features[domain] = work / f"features-{domain}"
         manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
         tokens[domain] = int(manifest["tokens"])
@@ -264,7 +272,7 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: 
 
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
-    features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}
+    features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}  # those the heads need exist
     for backbone, domain in untaken(order, taken):
         log(f"worker {index}: {backbone}-{domain}")
         _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
@@ -312,8 +320,6 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     check_same_recipe(out, recipe)
-    target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
-    features, tokens = _features(recipe, target, work)
     pending = []
     for backbone in recipe.backbones:
         for domain in recipe.domains:
@@ -321,6 +327,11 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
                 log(f"{backbone}-{domain}: done, skipped")
             else:
                 pending.append((backbone, domain))
+    if not pending:
+        return _record(out, recipe)
+    target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
+    sources = tuple(d for d in ("chat", "math") if any(d in SOURCES[domain] for _, domain in pending))
+    features, tokens = _features(recipe, target, work, sources)
     if jobs > 1 and len(pending) > 1:
         del target
         _run_workers(recipe, target_dir, out, work, longest_first(pending, head_costs(tokens)), jobs)
