@@ -154,12 +154,55 @@ def _target_convert(args) -> int:
     return 0
 
 
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure this machine's costs: the target's tree forward per node count, "
+                                       "a draft level per beam count (cached)")
+    p.add_argument("--target", required=True, help="model directory, .gguf file or known name")
+    p.add_argument("--drafter", help="drafter directory: also time its draft levels")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is their median")
+    p.add_argument("--measure", action="store_true", help="measure again even if a cached profile exists")
+    add_device_arguments(p)
+    p.set_defaults(func=_profile)
+
+
+def _profile(args) -> int:
+    import torch
+
+    from taps.drafter.checkpoint import load_head, weights_digest
+    from taps.profile import profile
+    from taps.target import Target
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    target = Target.load(args.target, device=args.device, dtype=args.dtype)
+    head = load_head(args.drafter, target)[0] if args.drafter else None
+    result = profile(target, head, weights_digest(args.drafter) if args.drafter else None, measure=args.measure,
+                     repeats=args.repeats)
+    print(f"{result['target']} ({result['dtype']}, {result['threads']} thread(s), {result['machine']['cpu']}); "
+          f"profile: {result['path']}")
+    base = result["target_forward_ms"]["1"]
+    print("| tree tokens | target forward ms | x one token |\n| ---: | ---: | ---: |")
+    for n, ms in result["target_forward_ms"].items():
+        print(f"| {n} | {ms:.1f} | {ms / base:.2f} |")
+    if "draft_level_ms" in result:
+        print("\n| beams | draft level ms |\n| ---: | ---: |")
+        for k, ms in result["draft_level_ms"].items():
+            print(f"| {k} | {ms:.2f} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taps", description="Task-aware speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_drafter(sub)
     _add_target(sub)
+    _add_profile(sub)
     from taps.data import commands as data_commands
     from taps.eval import commands as eval_commands
     from taps.propose import commands as propose_commands

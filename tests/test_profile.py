@@ -1,0 +1,45 @@
+"""`taps profile`: measured target and draft-level costs, cached per machine, target, dtype and
+threads, reused unless asked to measure again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from taps.cli import main
+from taps.drafter.checkpoint import init_head
+from taps.profile import profile, time_target
+from taps.target import Target
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Target.load(target_dir, device="cpu", dtype="float32")
+
+
+def test_target_costs_cover_every_size_and_leave_the_cache_empty(target):
+    times = time_target(target, sizes=(1, 4, 16), prefix=12, repeats=2)
+    assert set(times) == {1, 4, 16} and all(ms > 0 for ms in times.values())
+    assert target.length == 0  # the profile leaves no rows behind
+
+
+def test_profile_is_cached_and_remeasured_on_request(target, tmp_path):
+    head = init_head(target.config, seed=0).bind(target.embed_tokens, target.lm_head)
+    first = profile(target, head, "sha256:x", repeats=1, prefix=8, root=tmp_path)
+    assert set(first["target_forward_ms"]) >= {"1", "16", "64", "128"} and set(first["draft_level_ms"]) >= {"1", "10"}
+    saved = json.loads(open(first["path"]).read())
+    assert saved["target_forward_ms"] == first["target_forward_ms"] and saved["machine"]["cores"] >= 1
+    again = profile(target, head, "sha256:x", repeats=1, prefix=8, root=tmp_path)
+    assert again["measured_at"] == first["measured_at"] and again["path"] == first["path"]
+    other = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)  # no drafter: another file
+    assert other["path"] != first["path"] and "draft_level_ms" not in other
+
+
+def test_cli_profile_and_bad_options(target_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
+    assert main(["profile", "--target", str(target_dir), "--device", "cpu", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| tree tokens | target forward ms |" in out and str(tmp_path) in out
+    assert main(["profile", "--target", str(target_dir), "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
