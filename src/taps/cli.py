@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from taps.cli_args import add_device_arguments, add_tree_arguments
+from taps.cli_args import add_device_arguments, add_tree_arguments, tree_shape
 
 
 def _ids(text: str) -> list[int]:
@@ -34,7 +34,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
     p.add_argument("--seed", type=int, default=0)
-    add_tree_arguments(p)
+    add_tree_arguments(p, auto=True)
     add_device_arguments(p)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -75,8 +75,9 @@ def _generate(args) -> int:
         if len(set(names)) != len(names):
             raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
         heads = {name: load_member(path, target, attn_implementation=args.attn) for name, path in args.drafter}
-        proposer = build_proposer(heads=heads, tree=TreeConfig(args.total_tokens, args.depth, args.top_k),
-                                  **strategy_options(args))
+        tree = TreeConfig(*tree_shape(args))
+        policy = auto_tree_policy(target, heads, tree) if args.tree == "auto" else None
+        proposer = build_proposer(heads=heads, tree=tree, policy=policy, **strategy_options(args))
     elif args.strategy != "single":
         raise ValueError(f"--strategy {args.strategy} needs --drafter")
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens,
@@ -108,6 +109,29 @@ def _generate(args) -> int:
               f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s]",
               file=sys.stderr)
     return 0
+
+
+def auto_tree_policy(target, heads: dict, tree):
+    """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
+    the cached profile of this machine, target, dtype and threads, with the first head's draft
+    levels (measured now, once, if missing)."""
+    from taps.drafter.auto_tree import AutoTree, StepCosts
+    from taps.drafter.head import EagleHead
+    from taps.profile import profile
+
+    head = next((h for h in heads.values() if isinstance(h, EagleHead)), None)
+    if head is None:
+        raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")
+    costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))
+    return lambda: AutoTree(costs, top_k=tree.top_k)
+
+
+def head_shape_key(head) -> str:
+    """What a draft level's cost depends on: the head's shape and draft vocabulary, not its weights."""
+    cfg = head.config
+    draft_ids = getattr(head, "draft_ids", None)
+    vocab = int(draft_ids.numel()) if draft_ids is not None else int(cfg.vocab_size)
+    return f"shape:{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_attention_heads}/{cfg.num_key_value_heads}:v{vocab}"
 
 
 def _add_drafter(sub) -> None:

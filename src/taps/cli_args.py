@@ -7,11 +7,28 @@ import argparse
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def add_tree_arguments(p) -> None:
-    """The EAGLE-2 tree shape (SPEC §2); defaults are the paper's 60/5/10."""
-    p.add_argument("--total-tokens", type=int, default=60, help="tree budget, root included")
-    p.add_argument("--depth", type=int, default=5, help="draft levels below the root")
-    p.add_argument("--top-k", type=int, default=10, help="tree beam width / branching")
+FIXED_TREE = (60, 5, 10)  # the paper's total tokens / depth / top-k
+AUTO_TREE_CAPS = (96, 8, 8)  # --tree auto: the largest tree it may choose
+
+
+def add_tree_arguments(p, auto: bool = False) -> None:
+    """The EAGLE-2 tree shape (SPEC §2); defaults are the paper's 60/5/10. With `auto`, also
+    `--tree fixed|auto`: auto chooses depth and size per step (the shape options become caps)."""
+    p.add_argument("--total-tokens", type=int, default=None, help="tree budget, root included (default 60; "
+                                                                  "--tree auto: the cap, default 96)")
+    p.add_argument("--depth", type=int, default=None, help="draft levels below the root (default 5; auto: 8)")
+    p.add_argument("--top-k", type=int, default=None, help="tree beam width / branching (default 10; auto: 8)")
+    if auto:
+        p.add_argument("--tree", choices=["fixed", "auto"], default="fixed",
+                       help="fixed: the shape above every step; auto: per step, the depth and size that maximise "
+                            "expected tokens/s from this machine's measured costs (taps profile)")
+
+
+def tree_shape(args) -> tuple[int, int, int]:
+    """(total_tokens, depth, top_k) from the options, with the defaults of the chosen tree mode."""
+    defaults = AUTO_TREE_CAPS if getattr(args, "tree", "fixed") == "auto" else FIXED_TREE
+    given = (args.total_tokens, args.depth, args.top_k)
+    return tuple(d if g is None else g for g, d in zip(given, defaults))
 
 
 def add_device_arguments(p) -> None:

@@ -8,6 +8,8 @@
    Candidates are created parents-first and scores never increase along a path, so a stable
    sort keeps every kept node's parent; restoring creation order puts parents before children.
 A chain is the same code with top_k = 1. The head's distribution is always at temperature 1.
+With a cost-aware `policy` (drafter/auto_tree.py), cfg's depth and total_tokens are caps: the
+policy stops drafting after any level and chooses how many of the best nodes to keep.
 The head's cache is returned to the context length afterwards: tree rows are scratch.
 """
 
@@ -29,7 +31,7 @@ def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
 
 
 @torch.inference_mode()
-def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int = 0) -> DraftTree:
+def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int = 0, policy=None) -> DraftTree:
     device = ctx.root_hidden.device
     root_logp = torch.log_softmax(head.logits(ctx.root_hidden).float(), dim=-1)  # [V]
     k = min(cfg.top_k, root_logp.shape[-1])
@@ -47,7 +49,11 @@ def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int 
     beam_feat = ctx.root_hidden.expand(k, -1)  # [k, H] input feature: the parent's predicted feature
     beam_anc = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, processed] ancestors among tree rows
 
+    levels = 1
     for level in range(2, cfg.depth + 1):
+        if policy is not None and not policy.go_deeper(torch.cat(cand_score), beam_score, levels):
+            break
+        levels = level
         processed = beam_anc.shape[1]
         anc = torch.cat([beam_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, processed + k]
         mask = additive_mask(anc, None, ctx.length, None, beam_feat.dtype)  # context + own ancestors
@@ -75,7 +81,8 @@ def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int 
     tokens, parents = torch.cat(cand_tok), torch.cat(cand_parent)
     scores, entropies = torch.cat(cand_score), torch.cat(cand_entropy)
     order = torch.sort(scores, descending=True, stable=True).indices
-    keep = order[: cfg.total_tokens - 1].sort().values  # creation order: parents first
+    total = cfg.total_tokens if policy is None else policy.tree_tokens(scores, levels, cfg.total_tokens)
+    keep = order[: total - 1].sort().values  # creation order: parents first
     node_of = torch.full((n_cand,), -1, dtype=torch.long, device=device)
     node_of[keep] = torch.arange(1, keep.numel() + 1, device=device)
     kept_parents = parents[keep]

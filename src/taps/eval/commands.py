@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments
+from taps.cli_args import DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, tree_shape
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
@@ -76,7 +76,7 @@ def settings_from(args):
     from taps.eval.runner import EvalSettings
 
     return EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                        tree=TreeConfig(args.total_tokens, args.depth, args.top_k), top_p=args.top_p)
+                        tree=TreeConfig(*tree_shape(args)), top_p=args.top_p)
 
 
 def _eval(args) -> int:
@@ -154,11 +154,12 @@ def _demo(args) -> int:
     from taps.eval.runner import ResultsMismatchError
     from taps.eval.study import demo_study, run_study
 
-    tree = {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k}
+    total_tokens, depth, top_k = tree_shape(args)
+    tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
     study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree,
                        dtype=args.dtype)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
-          f"each, temperature 0, tree {args.total_tokens}/{args.depth}/{args.top_k}) on {study.target}")
+          f"each, temperature 0, tree {total_tokens}/{depth}/{top_k}) on {study.target}")
     try:
         report = run_study(study, ("eval", "report"), progress=not args.no_progress)
     except ResultsMismatchError as e:

@@ -59,10 +59,10 @@ def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
     return load_head(path, target, **head_options)[0]
 
 
-def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int) -> Proposer:
+def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, policy=None) -> Proposer:
     if isinstance(member, LookupSpec):
         return LookupProposer(tree, member.max_ngram, member.min_ngram, source=source)
-    return SingleProposer(member, tree, source=source)
+    return SingleProposer(member, tree, source=source, policy=policy() if policy is not None else None)
 
 
 def _pick(kind: str, value: str, table) -> object:
@@ -73,9 +73,10 @@ def _pick(kind: str, value: str, table) -> object:
 
 def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig = TreeConfig(),
                    signal: str = "confidence", granularity: str = "step", merge_mode: str = "disjoint",
-                   weights: Sequence[float] | None = None) -> Proposer:
+                   weights: Sequence[float] | None = None, policy: Callable[[], object] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
-    drafter index recorded in tree.source and in routing / merge logs)."""
+    drafter index recorded in tree.source and in routing / merge logs). `policy`: a factory of
+    cost-aware tree policies (drafter/auto_tree.py), one per head; None drafts fixed trees."""
     _pick("strategy", strategy, STRATEGIES)
     routing_signal = _pick("routing signal", signal, SIGNALS)
     per_turn = _pick("routing granularity", granularity, GRANULARITIES)
@@ -89,14 +90,15 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
         if len(names) != 1:
             raise ValueError(f"--strategy single takes exactly one drafter, got {len(names)} ({', '.join(names)}); "
                              "use --strategy average, route or merge to combine several")
-        return _member(heads[names[0]], tree, 0)
+        return _member(heads[names[0]], tree, 0, policy)
     if strategy == "average":
         lookups = [n for n in names if isinstance(heads[n], LookupSpec)]
         if lookups:
             raise ValueError(f"--strategy average averages head weights; {', '.join(lookups)} is prompt lookup, "
                              "which has none (route or merge it instead)")
-        return SingleProposer(average_heads([heads[n] for n in names], weights), tree)
-    singles = [_member(heads[n], tree, i) for i, n in enumerate(names)]
+        return SingleProposer(average_heads([heads[n] for n in names], weights), tree,
+                              policy=policy() if policy is not None else None)
+    singles = [_member(heads[n], tree, i, policy) for i, n in enumerate(names)]
     if strategy == "route":
         return RoutedProposer(singles, signal=routing_signal, per_turn=per_turn, names=names)
     return MergedProposer(singles, merge=merge_for(tree), names=names)

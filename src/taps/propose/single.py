@@ -1,4 +1,5 @@
-"""SingleProposer: one EAGLE head drafting EAGLE-2 dynamic trees."""
+"""SingleProposer: one EAGLE head drafting EAGLE-2 dynamic trees, of a fixed shape or, with an
+AutoTree policy, of the depth and size its measured costs and calibrated confidences favour."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from taps.verify import Acceptance
 
 
 class SingleProposer:
-    def __init__(self, head: EagleHead, tree: TreeConfig = TreeConfig(), source: int = 0):
+    def __init__(self, head: EagleHead, tree: TreeConfig = TreeConfig(), source: int = 0, policy=None):
         self.head = head
-        self.tree = tree
+        self.tree = tree  # with a policy: the caps on depth, tokens and beams
         self.source = source
+        self.policy = policy  # drafter.auto_tree.AutoTree or None (fixed trees)
         self._ctx: HeadContext | None = None
+        self._last: DraftTree | None = None
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
         if tokens.shape[0] != features.shape[0] + 1:
@@ -28,8 +31,34 @@ class SingleProposer:
     def propose(self) -> DraftTree:
         if self._ctx is None:
             raise RuntimeError("propose() before start()")
-        return expand_tree(self.head, self._ctx, self.tree, self.source)
+        self._last = expand_tree(self.head, self._ctx, self.tree, self.source, self.policy)
+        return self._last
 
     def observe(self, acceptance: Acceptance, features: Tensor) -> None:
+        if self.policy is not None and self._last is not None and self._last.size > 1:
+            # by token path, not node id: the decoder may have trimmed the tree, or verified another one
+            on_path = path_nodes(self._last, acceptance.tokens[1:].tolist())  # [N] bool
+            self.policy.observe(self._last.confidence[1:], on_path[1:])
+        self._last = None
         next_tokens = torch.tensor(acceptance.new_tokens, dtype=torch.long, device=features.device)  # [A+1]
         self._ctx = consume(self.head, self._ctx, next_tokens, features)
+
+    def step_info(self) -> dict:
+        """With a policy: the levels drafted and tree tokens it chose for the last tree."""
+        if self.policy is None or not self.policy.chosen:
+            return {}
+        levels, tokens = self.policy.chosen[-1]
+        return {"tree_levels": levels, "tree_tokens": tokens}
+
+
+def path_nodes(tree: DraftTree, tokens: list[int]) -> Tensor:
+    """[N] bool: the nodes on the path from the root that spells `tokens` (as far as it goes)."""
+    on = torch.zeros(tree.size, dtype=torch.bool)
+    on[0] = True
+    kids, tree_tokens, node = tree.children(), tree.tokens.tolist(), 0
+    for token in tokens:
+        node = next((c for c in kids[node] if tree_tokens[c] == token), None)
+        if node is None:
+            break
+        on[node] = True
+    return on

@@ -1,0 +1,136 @@
+"""Cost-aware EAGLE-2 trees (`--tree auto`): each step drafts as deep and verifies as many nodes
+as maximise the expected tokens per second, from this machine's measured costs.
+
+The paper's 60/5/10 trees were chosen for a GPU, where verifying 60 tokens costs about as much
+as one; on a CPU a 64-token tree forward costs nearly twice a one-token forward (SmolLM2-135M,
+bf16). So the tree's size is a trade, and the right trade changes every step: a confident head
+should draft deep, an unsure one should stop early. Per step:
+
+  expected tokens of a tree T  =  1 + sum_{v in T} a(c(v))
+  time of a step               =  fixed + levels * level_ms(top_k) + verify_ms(|T| + 1)
+
+where c(v) is the node's confidence (the product of the head's probabilities along its path,
+which EAGLE-2 already uses as its acceptance estimate) and a() is a calibration of confidence to
+the acceptance this head actually gets, learned online from every verified tree (binned on
+log10 c, starting from a(c) = c). The costs come from `taps profile` (taps/profile.py).
+
+After every level the policy compares the best rate of the nodes drafted so far with an
+optimistic bound for one more level (the beams' own acceptance: their children cannot do
+better); it stops when the bound loses. The kept nodes are always a prefix of the nodes sorted
+by draft score, as in the fixed tree, so they form a tree; only their number is chosen.
+Verification does not change, so any tree is lossless.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through the measured points; linear extrapolation past the last two."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Milliseconds per step part, as measured on this machine."""
+
+    verify_ms: dict[int, float]  # tree tokens (root included) -> one target forward
+    level_ms: dict[int, float]  # beams -> one draft level (head forward, LM head, top-k)
+    fixed_ms: float = 0.0  # verification rule, commit, bookkeeping
+
+    def __post_init__(self) -> None:
+        if not self.verify_ms or not self.level_ms:
+            raise ValueError("StepCosts needs at least one measured tree size and one beam count")
+
+    @classmethod
+    def from_profile(cls, profile: dict, fixed_ms: float = 0.0) -> "StepCosts":
+        if "draft_level_ms" not in profile:
+            raise ValueError("the profile has no draft levels: profile with a drafter (taps profile --drafter DIR)")
+        return cls({int(n): float(ms) for n, ms in profile["target_forward_ms"].items()},
+                   {int(k): float(ms) for k, ms in profile["draft_level_ms"].items()}, fixed_ms)
+
+    def verify(self, tokens: int) -> float:
+        return _interpolate(self.verify_ms, tokens)
+
+    def level(self, beams: int) -> float:
+        return _interpolate(self.level_ms, beams)
+
+
+class Calibration:
+    """a(c) = P(a drafted node is accepted | its confidence c), one running estimate per bin of
+    log10 c in [-4, 0]; each bin starts at its own midpoint confidence with `prior` pseudo-nodes."""
+
+    def __init__(self, bins: int = 16, prior: float = 4.0):
+        self.edges = torch.linspace(-4.0, 0.0, bins + 1)[1:-1]  # [bins - 1] inner edges
+        mids = 10 ** torch.linspace(-4.0, 0.0, 2 * bins + 1)[1::2]  # [bins] midpoint confidences
+        self.hits = (mids * prior).double()  # [bins]
+        self.seen = torch.full((bins,), prior, dtype=torch.float64)  # [bins]
+
+    def _bins(self, confidence: Tensor) -> Tensor:  # [N] -> [N] long
+        return torch.bucketize(confidence.double().clamp(min=1e-12).log10().float(), self.edges)
+
+    def __call__(self, confidence: Tensor) -> Tensor:  # [N] -> [N] float64
+        b = self._bins(confidence.cpu())
+        return self.hits[b] / self.seen[b]
+
+    def update(self, confidence: Tensor, accepted: Tensor) -> None:
+        """confidence [N] of verified draft nodes, accepted [N] bool: on the accepted path."""
+        b = self._bins(confidence.cpu())
+        self.seen.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
+        self.hits.index_add_(0, b, accepted.cpu().double())
+
+
+@dataclass
+class AutoTree:
+    """The per-step policy: `go_deeper` after each draft level, `tree_tokens` at the end."""
+
+    costs: StepCosts
+    top_k: int = 8
+    calibration: Calibration = field(default_factory=Calibration)
+    chosen: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, tree tokens) per step
+
+    def _best(self, scores: Tensor, levels: int, max_tokens: int | None = None) -> tuple[float, int]:
+        """(best expected tokens per ms, its node count) over prefixes of the nodes sorted by score,
+        at most max_tokens - 1 nodes."""
+        if max_tokens is not None:
+            scores = scores.sort(descending=True).values[:max(max_tokens - 1, 0)]
+        if scores.numel() == 0:
+            return 1.0 / (self.costs.fixed_ms + levels * self.costs.level(self.top_k) + self.costs.verify(1)), 0
+        gain = self.calibration(scores.sort(descending=True).values.exp())  # [N] expected acceptance, best first
+        expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
+        draft = self.costs.fixed_ms + levels * self.costs.level(self.top_k)
+        times = torch.tensor([draft + self.costs.verify(n + 1) for n in range(expected.numel())], dtype=gain.dtype)
+        rates = expected / times  # [N + 1]
+        best = int(rates.argmax())
+        return float(rates[best]), best
+
+    def go_deeper(self, scores: Tensor, beam_scores: Tensor, levels: int) -> bool:
+        """Whether one more level could beat the best tree of the `levels` drafted so far: its
+        nodes add at most the beams' own expected acceptance, for one more level's cost."""
+        rate, nodes = self._best(scores, levels)
+        gain = self.calibration(scores.sort(descending=True).values[:nodes].exp()).sum() if nodes else 0.0
+        bound = float(1.0 + gain + self.calibration(beam_scores.exp()).sum())
+        time = self.costs.fixed_ms + (levels + 1) * self.costs.level(self.top_k) + \
+            self.costs.verify(nodes + 1 + beam_scores.numel())
+        return bound / time > rate
+
+    def tree_tokens(self, scores: Tensor, levels: int, max_tokens: int) -> int:
+        """Tree size (root included) to verify: the best prefix of the nodes sorted by score."""
+        _, nodes = self._best(scores, levels, max_tokens)
+        self.chosen.append((levels, nodes + 1))
+        return nodes + 1
+
+    def observe(self, confidence: Tensor, accepted: Tensor) -> None:
+        self.calibration.update(confidence, accepted)
+

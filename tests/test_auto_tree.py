@@ -1,0 +1,112 @@
+"""Cost-aware trees (`--tree auto`): the policy's arithmetic on hand-made costs, its calibration,
+and greedy identity of decoding with it (any tree is verified by the same lossless rule)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import cached_model, hf_greedy, prompts
+from taps.config import DecodeConfig, TreeConfig
+from taps.decode import generate
+from taps.drafter.auto_tree import AutoTree, Calibration, StepCosts
+from taps.drafter.fit import fit_linear_head, greedy_sequences
+from taps.propose.factory import build_proposer
+from taps.propose.single import SingleProposer
+from taps.target import Target
+
+FLAT = StepCosts(verify_ms={1: 10.0, 128: 10.0}, level_ms={1: 1.0, 16: 1.0})  # a GPU-like machine
+STEEP = StepCosts(verify_ms={1: 10.0, 2: 20.0, 128: 1280.0}, level_ms={1: 1.0, 16: 1.0})  # every token costs a forward
+
+
+def test_costs_interpolate_and_extrapolate():
+    costs = StepCosts(verify_ms={1: 10.0, 16: 25.0, 64: 73.0}, level_ms={4: 2.0})
+    assert costs.verify(1) == 10.0 and costs.verify(8.5) == pytest.approx(17.5) and costs.verify(96) == pytest.approx(105.0)
+    assert costs.level(10) == 2.0
+
+
+def test_cheap_verification_keeps_every_useful_node_and_steep_keeps_none():
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.5, 0.1, 0.01]))
+    flat, steep = AutoTree(FLAT, top_k=4), AutoTree(STEEP, top_k=4)
+    assert flat.tree_tokens(scores, levels=2, max_tokens=64) == 6  # verification is free: keep all five
+    assert flat.tree_tokens(scores, levels=2, max_tokens=3) == 3  # the cap holds
+    # a node adds at most one expected token for a whole forward's cost: nothing pays
+    assert steep.tree_tokens(scores, levels=2, max_tokens=64) == 1
+    assert flat.chosen == [(2, 6), (2, 3)] and steep.chosen == [(2, 1)]
+
+
+def test_go_deeper_only_while_the_beams_can_pay():
+    policy = AutoTree(FLAT, top_k=2)
+    drafted = torch.log(torch.tensor([0.95, 0.9]))
+    assert policy.go_deeper(drafted, beam_scores=torch.log(torch.tensor([0.95, 0.9])), levels=1)
+    assert not policy.go_deeper(drafted, beam_scores=torch.log(torch.tensor([1e-4, 1e-4])), levels=1)
+
+
+def test_calibration_learns_the_measured_acceptance():
+    cal = Calibration(prior=4.0)
+    c = torch.full((200,), 0.5)
+    assert float(cal(c[:1])) == pytest.approx(0.5, abs=0.1)  # the prior: a(c) ~ c
+    cal.update(c, torch.zeros(200, dtype=torch.bool))  # a head whose 0.5-confident nodes never pass
+    assert float(cal(c[:1])) < 0.05
+    assert float(cal(torch.tensor([0.001]))) == pytest.approx(0.001, rel=0.5)  # other bins untouched
+
+
+def setup_llama():
+    model = cached_model("llama")
+    target = Target(model)
+    g = torch.Generator().manual_seed(1)
+    data = greedy_sequences(target, torch.randint(0, model.config.vocab_size, (12, 6), generator=g).tolist(), 32)
+    return model, target, fit_linear_head(target, data, seed=3)
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+def test_decoding_with_auto_trees_is_lossless_and_logs_its_choices(costs):
+    model, target, head = setup_llama()
+    caps = TreeConfig(total_tokens=32, depth=6, top_k=4)
+    for prompt in prompts(4, seed=3):
+        policy = AutoTree(costs, top_k=caps.top_k)
+        result = generate(target, SingleProposer(head, caps, policy=policy), prompt, DecodeConfig(max_new_tokens=20))
+        assert result.tokens == hf_greedy(model, prompt, 20)
+        assert len(policy.chosen) == len(result.steps)
+        for (levels, tokens), step in zip(policy.chosen, result.steps):
+            assert 1 <= levels <= caps.depth and 1 <= tokens <= caps.total_tokens
+            assert step.info == {"tree_levels": levels, "tree_tokens": tokens} and step.tree_size <= tokens
+        if costs is STEEP:
+            assert all(tokens == 1 for _, tokens in policy.chosen)  # nothing pays: plain decoding
+        assert policy.calibration.seen.sum() > 16 * 4.0 or costs is STEEP  # verified nodes were counted
+
+
+def test_compositions_take_one_policy_per_head():
+    model, target, head = setup_llama()
+    made = []
+
+    def factory():
+        made.append(AutoTree(FLAT, top_k=4))
+        return made[-1]
+
+    proposer = build_proposer("merge", {"a": head, "b": head}, TreeConfig(32, 6, 4), merge_mode="budget",
+                              policy=factory)
+    prompt = prompts(2, seed=5)[1]
+    result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=16))
+    assert result.tokens == hf_greedy(model, prompt, 16) and len(made) == 2
+
+
+def test_cli_tree_auto(target_dir, tmp_path, monkeypatch, capsys):
+    from taps.cli import main
+
+    monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
+    head = tmp_path / "head"
+    assert main(["drafter", "init", "--target", str(target_dir), "--out", str(head)]) == 0
+    base = ["generate", "--target", str(target_dir), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12",
+            "--device", "cpu", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main(base + ["--drafter", str(head), "--tree", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert auto["token_ids"] == plain["token_ids"]
+    assert all({"tree_levels", "tree_tokens"} <= set(info) for info in auto["step_info"])
+    assert list((tmp_path / "profiles").glob("*.json"))  # the costs were measured and cached
+    assert main(base + ["--drafter", "lookup", "--tree", "auto"]) == 2
+    assert "--tree auto sizes the trees of EAGLE heads" in capsys.readouterr().err
