@@ -110,3 +110,33 @@ def test_cli_tree_auto(target_dir, tmp_path, monkeypatch, capsys):
     assert list((tmp_path / "profiles").glob("*.json"))  # the costs were measured and cached
     assert main(base + ["--drafter", "lookup", "--tree", "auto"]) == 2
     assert "--tree auto sizes the trees of EAGLE heads" in capsys.readouterr().err
+
+
+def test_eval_and_study_configs_take_auto_trees(target_dir, tmp_path, monkeypatch):
+    from taps.eval.benchmarks import Question
+    from taps.eval.records import read_records
+    from taps.eval.runner import EvalSettings, ResultsMismatchError, run_eval
+    from taps.eval.study import StudyConfigError, study_from_dict
+    from taps.eval.variants import parse_variant
+    from taps.drafter.checkpoint import write_untrained
+
+    monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path / "cache"))
+    head = write_untrained(target_dir, tmp_path / "head")
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    variants = [parse_variant("base=baseline"), parse_variant(f"one={head}"), parse_variant(f"mix=merge-budget:h={head},lookup")]
+    questions = [Question("toy", "1", "x", ("hello there",))]
+    auto = EvalSettings(max_new_tokens=8, tree=TreeConfig(32, 6, 4), auto_tree=True, warmup=False)
+    run_eval(target, str(target_dir), variants, questions, tmp_path / "out", auto, progress=False)
+    records = read_records(tmp_path / "out" / "records.jsonl")
+    assert {r["variant"] for r in records} == {"base", "one", "mix"}
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["tree_mode"] == "auto"
+    fixed = EvalSettings(max_new_tokens=8, tree=TreeConfig(32, 6, 4), warmup=False)
+    with pytest.raises(ResultsMismatchError):  # one results directory keeps one tree mode
+        run_eval(target, str(target_dir), variants, questions, tmp_path / "out", fixed, progress=False)
+    config = {"name": "t", "out": str(tmp_path / "s"), "target": {"path": str(target_dir)},
+              "drafters": {"out": str(tmp_path)}, "variants": {"base": "baseline"},
+              "eval": {"tree": {"total_tokens": 32, "depth": 6, "top_k": 4, "mode": "auto"}}}
+    assert study_from_dict(config).settings.auto_tree
+    config["eval"]["tree"]["mode"] = "dynamic"
+    with pytest.raises(StudyConfigError, match="eval.tree.mode must be fixed or auto"):
+        study_from_dict(config)

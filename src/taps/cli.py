@@ -55,6 +55,7 @@ def _generate(args) -> int:
     from taps.config import DecodeConfig, SamplingConfig, TreeConfig
     from taps.decode import chat_ids, generate
     from taps.propose.commands import strategy_options
+    from taps.profile import auto_tree_policy
     from taps.propose.factory import build_proposer, load_member
     from taps.target import Target
 
@@ -109,29 +110,6 @@ def _generate(args) -> int:
               f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s]",
               file=sys.stderr)
     return 0
-
-
-def auto_tree_policy(target, heads: dict, tree):
-    """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
-    the cached profile of this machine, target, dtype and threads, with the first head's draft
-    levels (measured now, once, if missing)."""
-    from taps.drafter.auto_tree import AutoTree, StepCosts
-    from taps.drafter.head import EagleHead
-    from taps.profile import profile
-
-    head = next((h for h in heads.values() if isinstance(h, EagleHead)), None)
-    if head is None:
-        raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")
-    costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))
-    return lambda: AutoTree(costs, top_k=tree.top_k)
-
-
-def head_shape_key(head) -> str:
-    """What a draft level's cost depends on: the head's shape and draft vocabulary, not its weights."""
-    cfg = head.config
-    draft_ids = getattr(head, "draft_ids", None)
-    vocab = int(draft_ids.numel()) if draft_ids is not None else int(cfg.vocab_size)
-    return f"shape:{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_attention_heads}/{cfg.num_key_value_heads}:v{vocab}"
 
 
 def _add_drafter(sub) -> None:

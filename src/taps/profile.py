@@ -150,3 +150,25 @@ def profile(target: Target, head=None, drafter_digest: str | None = None, measur
     write_json_atomic(path, result)
     result["path"] = str(path)
     return result
+
+
+def auto_tree_policy(target, heads: dict, tree):
+    """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
+    the cached profile of this machine, target, dtype and threads, with the first head's draft
+    levels (measured now, once, if missing)."""
+    from taps.drafter.auto_tree import AutoTree, StepCosts
+    from taps.drafter.head import EagleHead
+
+    head = next((h for h in heads.values() if isinstance(h, EagleHead)), None)
+    if head is None:
+        raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")
+    costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))
+    return lambda: AutoTree(costs, top_k=tree.top_k)
+
+
+def head_shape_key(head) -> str:
+    """What a draft level's cost depends on: the head's shape and draft vocabulary, not its weights."""
+    cfg = head.config
+    draft_ids = getattr(head, "draft_ids", None)
+    vocab = int(draft_ids.numel()) if draft_ids is not None else int(cfg.vocab_size)
+    return f"shape:{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_attention_heads}/{cfg.num_key_value_heads}:v{vocab}"

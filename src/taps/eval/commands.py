@@ -35,7 +35,7 @@ def add_decode_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    add_tree_arguments(p)
+    add_tree_arguments(p, auto=True)
     add_device_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -76,7 +76,7 @@ def settings_from(args):
     from taps.eval.runner import EvalSettings
 
     return EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                        tree=TreeConfig(*tree_shape(args)), top_p=args.top_p)
+                        tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
 
 
 def _eval(args) -> int:
@@ -113,7 +113,7 @@ def register_study(sub) -> None:
                                                    "directory, results of an earlier embedded default are moved aside)")
     d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
     d.add_argument("--max-new-tokens", type=int, default=96, help="answer length cap per turn")
-    add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (e.g. 16/5/4)
+    add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPU, fp32 on CPU)")
     d.add_argument("--no-progress", action="store_true")
@@ -155,11 +155,12 @@ def _demo(args) -> int:
     from taps.eval.study import demo_study, run_study
 
     total_tokens, depth, top_k = tree_shape(args)
-    tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+    tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k,
+            **({"mode": "auto"} if args.tree == "auto" else {})}
     study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree,
                        dtype=args.dtype)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
-          f"each, temperature 0, tree {total_tokens}/{depth}/{top_k}) on {study.target}")
+          f"each, temperature 0, tree {args.tree} {total_tokens}/{depth}/{top_k}) on {study.target}")
     try:
         report = run_study(study, ("eval", "report"), progress=not args.no_progress)
     except ResultsMismatchError as e:

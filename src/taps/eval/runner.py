@@ -54,6 +54,7 @@ class EvalSettings:
     tree: TreeConfig = field(default_factory=TreeConfig)
     top_p: float = 1.0
     warmup: bool = True  # decode a few tokens with every variant before timing anything
+    auto_tree: bool = False  # cost-aware trees (drafter/auto_tree.py); `tree` holds the caps
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings:
             "tree": asdict(settings.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
             "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
             "drafter_weights": drafter_weights(variants),
-            "temperatures": list(settings.temperatures), "benches": benches}
+            "temperatures": list(settings.temperatures), "benches": benches,
+            **({"tree_mode": "auto"} if settings.auto_tree else {})}
 
 
 def drafter_weights(variants: Sequence[VariantSpec]) -> dict[str, str]:
@@ -101,10 +103,10 @@ def check_run_info(out: Path, info: dict) -> dict:
     if not path.is_file():
         return info
     old = json.loads(path.read_text())
-    for key in ("target_fingerprint", "tree", "max_new_tokens", "seed", "top_p"):
-        if old.get(key) != info[key]:
+    for key in ("target_fingerprint", "tree", "tree_mode", "max_new_tokens", "seed", "top_p"):
+        if old.get(key) != info.get(key):  # tree_mode is only written for auto trees
             raise ResultsMismatchError(
-                f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info[key]!r}; "
+                f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info.get(key)!r}; "
                 "use another --out (or the same settings) so records of different runs are never mixed", key)
     for name, spec in info["variants"].items():
         if name in old.get("variants", {}) and old["variants"][name] != spec:
@@ -165,6 +167,7 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
     read_jsonl(sink, repair_torn=True)  # only this process appends to its sink
     done = finished(out)
     pool = HeadPool(target)
+    policy = _auto_tree_policy(target, pool, variants, settings) if settings.auto_tree else None
     stop = target.stop_token_ids()
     units = [(q, t, v) for i, q in enumerate(questions) if shard.mine(i)
              for t in settings.temperatures for v in variants
@@ -172,14 +175,15 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
     if settings.warmup and units:
         warm = DecodeConfig(max_new_tokens=8, stop_token_ids=stop)
         for v in variants:
-            decode_conversation(target, pool.proposer(v, settings.tree), Question("warmup", "0", "", ("Hello",)), warm)
+            decode_conversation(target, pool.proposer(v, settings.tree, policy), Question("warmup", "0", "", ("Hello",)),
+                                warm)
     bar = _progress(len(units), progress and shard.rank == 0, shard)
     for q, temperature, v in units:
         seed = question_seed(settings.seed, q.bench, q.question_id, temperature)
         cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, stop_token_ids=stop, seed=seed,
                            sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
                            trace=v.strategy != "baseline")
-        turns = decode_conversation(target, pool.proposer(v, settings.tree), q, cfg)
+        turns = decode_conversation(target, pool.proposer(v, settings.tree, policy), q, cfg)
         append_jsonl(sink, [turn_record(result, variant=v.name, bench=q.bench, question_id=q.question_id, turn=i,
                                         temperature=temperature, category=q.category, seed=seed,
                                         drafters=v.member_names, output=reply)
@@ -192,6 +196,19 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
             merge_shards(out)
         _barrier()
     return len(units)
+
+
+def _auto_tree_policy(target, pool: HeadPool, variants: Sequence[VariantSpec], settings: EvalSettings):
+    """The cost-aware tree policy factory of a run: costs from this machine's profile, with the
+    first drafter's draft levels (heads of one target share their shape)."""
+    from taps.profile import auto_tree_policy
+
+    from taps.drafter.head import EagleHead
+
+    heads = {path: pool.head(path) for path in dict.fromkeys(p for v in variants for _, p in v.drafters)}
+    if not any(isinstance(h, EagleHead) for h in heads.values()):
+        return None  # baseline and prompt lookup only: no head tree to size
+    return auto_tree_policy(target, heads, settings.tree)
 
 
 def merge_shards(out: Path) -> int:

@@ -9,7 +9,8 @@
     lambdas: [0.1, 0.5, 0.9]           # expands "{lambda}" (the averaging sweep)
     variants: {NAME: SPEC, ...}        # taps.eval.variants SPEC strings; "{drafters}" = drafters.out
     eval: {bench: [...], temperatures: [0, 1], limit: N, max_new_tokens: 512, seed: 0,
-           tree: {total_tokens: 60, depth: 5, top_k: 10}, device: auto, dtype: auto, categories: [...]}
+           tree: {total_tokens: 60, depth: 5, top_k: 10, mode: fixed | auto}, device: auto, dtype: auto,
+           categories: [...]}
 
 Every stage is resumable and skips what is already done, so rerunning a study continues it.
 Unknown keys are errors naming the key, so a typo never silently falls back to a default.
@@ -207,11 +208,14 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
         raise StudyConfigError(f"{source}: target.path and drafters.out are required")
     ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
                                                           "tree", "top_p", "device", "dtype", "categories"})
-    tree = _check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k"})
+    tree = dict(_check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"}))
+    mode = tree.pop("mode", "fixed")
+    if mode not in ("fixed", "auto"):
+        raise StudyConfigError(f"{source}: eval.tree.mode must be fixed or auto, got {mode!r}")
     try:
         settings = EvalSettings(temperatures=tuple(float(t) for t in ev.get("temperatures", [0.0])),
                                 max_new_tokens=int(ev.get("max_new_tokens", 512)), seed=int(ev.get("seed", 0)),
-                                tree=TreeConfig(**tree), top_p=float(ev.get("top_p", 1.0)))
+                                tree=TreeConfig(**tree), top_p=float(ev.get("top_p", 1.0)), auto_tree=mode == "auto")
     except (TypeError, ValueError) as err:
         raise StudyConfigError(f"{source}: eval: {err}") from None
     benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
@@ -269,6 +273,7 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
         lines.append(f"eval: {len(study.variants)} variants x {', '.join(study.benches)} x temperatures "
                      f"{', '.join(f'{t:g}' for t in study.settings.temperatures)}"
                      f" (limit {study.limit or 'none'}, max_new_tokens {study.settings.max_new_tokens}, tree "
+                     f"{'auto, caps ' if study.settings.auto_tree else ''}"
                      f"{study.settings.tree.total_tokens}/{study.settings.tree.depth}/{study.settings.tree.top_k})"
                      f" -> {study.results}")
         for v in study.variants:

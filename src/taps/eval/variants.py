@@ -170,8 +170,9 @@ class HeadPool:
             self._heads[key] = load_member(path, self.target, attn_implementation=self.attn)
         return self._heads[key]
 
-    def proposer(self, spec: VariantSpec, tree: TreeConfig) -> Proposer | None:
-        """A fresh proposer for one conversation (None for the baseline)."""
+    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None) -> Proposer | None:
+        """A fresh proposer for one conversation (None for the baseline); `policy`: a factory of
+        cost-aware tree policies, or None for fixed trees."""
         if spec.strategy == "baseline":
             return None
         heads = {n: self.head(d) for n, d in spec.drafters}
@@ -183,6 +184,6 @@ class HeadPool:
             key = (tuple(str(Path(d).resolve()) for _, d in spec.drafters), spec.weights)
             if key not in self._averages:
                 self._averages[key] = average_heads(list(heads.values()), spec.weights)
-            return build_proposer("single", {spec.name: self._averages[key]}, tree)
+            return build_proposer("single", {spec.name: self._averages[key]}, tree, policy=policy)
         return build_proposer(spec.strategy, heads, tree, signal=spec.signal, granularity=spec.granularity,
-                              merge_mode=spec.merge_mode)
+                              merge_mode=spec.merge_mode, policy=policy)
