@@ -140,3 +140,9 @@ def test_eval_and_study_configs_take_auto_trees(target_dir, tmp_path, monkeypatc
     config["eval"]["tree"]["mode"] = "dynamic"
     with pytest.raises(StudyConfigError, match="eval.tree.mode must be fixed or auto"):
         study_from_dict(config)
+
+
+def test_noisy_costs_are_made_monotone():
+    costs = StepCosts(verify_ms={1: 80.0, 8: 60.0, 16: 90.0}, level_ms={1: 5.0, 8: 4.0})
+    assert costs.verify(8) == 80.0 and costs.verify(4) == 80.0 and costs.verify(16) == 90.0
+    assert costs.level(8) == 5.0

@@ -52,6 +52,14 @@ class StepCosts:
     def __post_init__(self) -> None:
         if not self.verify_ms or not self.level_ms:
             raise ValueError("StepCosts needs at least one measured tree size and one beam count")
+        # more tokens never cost less: a noisy measurement that says so would make nodes look free
+        for name in ("verify_ms", "level_ms"):
+            points, running = getattr(self, name), 0.0
+            monotone = {}
+            for x in sorted(points):
+                running = max(running, points[x])
+                monotone[x] = running
+            object.__setattr__(self, name, monotone)
 
     @classmethod
     def from_profile(cls, profile: dict, fixed_ms: float = 0.0) -> "StepCosts":
