@@ -132,3 +132,22 @@ def test_only_the_domains_the_pending_heads_need_are_prepared(tmp_path, data_dir
     build_drafters(replace(recipe, domains=("math", "mixed-small")), target_dir, tmp_path / "drafters",
                    tmp_path / "work")
     assert (tmp_path / "work" / "features-chat").is_dir()
+
+
+def test_shipped_heads_are_16_bit_and_load_strictly(tmp_path, data_dir, target_dir):
+    from taps.drafter.checkpoint import load_head
+    from taps.train.family import DrafterRecipe, build_drafters, ship_heads
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=8, max_len=48, epochs=1, batch_size=4, warmup_steps=1,
+                           backbones=("eagle2",), domains=("math",))
+    build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    assert ship_heads(tmp_path / "drafters", tmp_path / "ship") == ["eagle2-math"]
+    weights = load_file(tmp_path / "ship" / "eagle2-math" / "model.safetensors")
+    full = load_file(tmp_path / "drafters" / "eagle2-math" / "model.safetensors")
+    assert set(weights) == set(full) and all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert all(torch.equal(weights[k], full[k].to(torch.bfloat16)) for k in full)
+    assert json.loads((tmp_path / "ship" / "drafters.json").read_text())["shipped_dtype"] == "bfloat16"
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    head, info = load_head(tmp_path / "ship" / "eagle2-math", target)
+    assert info.backbone == "eagle2" and head.fc.weight.dtype == torch.float32

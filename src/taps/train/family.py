@@ -341,3 +341,33 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         for backbone, domain in pending:
             _train_head(recipe, target, features, out, work, backbone, domain)
     return _record(out, recipe)
+
+
+def ship_heads(out: str | Path, dest: str | Path, dtype: str = "bfloat16", names: tuple[str, ...] | None = None) -> list[str]:
+    """Copy a family's finished heads for shipping: config.json, metrics.jsonl and the weights cast
+    to `dtype` (integer and bool tensors, such as a draft vocabulary's d2t / t2d, kept as they are),
+    plus drafters.json. No optimizer state, no embedding, no LM head. Each file is replaced atomically."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out, dest = Path(out), Path(dest)
+    cast = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in cast:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(cast)}")
+    summary = _read_summary(out)
+    shipped = [n for n in (names or tuple(summary.get("drafters", {}))) if _is_done(out, n)]
+    for name in shipped:
+        src, dst = out / name, dest / name
+        dst.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.to(cast[dtype]) if v.is_floating_point() else v
+                   for k, v in load_file(src / "model.safetensors").items()}
+        save_file(tensors, dst / "model.safetensors.tmp", metadata={"format": "pt"})
+        os.replace(dst / "model.safetensors.tmp", dst / "model.safetensors")
+        for file in ("config.json", "metrics.jsonl"):
+            shutil.copyfile(src / file, dst / f"{file}.tmp")
+            os.replace(dst / f"{file}.tmp", dst / file)
+    from taps.jsonl import write_json_atomic
+
+    write_json_atomic(dest / "drafters.json", {**summary, "drafters": {n: summary["drafters"][n] for n in shipped},
+                                               "shipped_dtype": dtype})
+    return shipped
