@@ -194,3 +194,39 @@ def test_generate_strategy_options_feed_the_factory():
     assert isinstance(proposer, RoutedProposer) and proposer.per_turn and proposer.names == ["a", "b"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy", "vote"])
+
+
+# ---- draft vocabularies: not averaged, united ------------------------------------------------------
+def test_heads_with_different_draft_vocabularies_average(target):
+    a, b, c = (h.bind(target.embed_tokens, target.lm_head) for h in heads(target, 1, 2, 3))
+    a.set_draft_vocab(torch.tensor([1, 5, 9]))
+    b.set_draft_vocab(torch.tensor([2, 5, 300]))
+    avg = average_heads([a, b], [0.3, 0.7])
+    assert avg.draft_ids.tolist() == [1, 2, 5, 9, 300]  # the union
+    for key, value in avg.state_dict().items():  # the weights average as for full-vocabulary heads
+        assert torch.equal(value, expected([a.state_dict(), b.state_dict()], [0.3, 0.7], key)), key
+    assert avg.logits(torch.randn(2, target.hidden_size)).shape == (2, 5)
+    assert average_heads([a, c]).draft_ids is None  # a full-vocabulary member: the full vocabulary
+    assert average_heads([c, b]).draft_ids is None
+
+
+def test_average_checkpoints_with_draft_vocabularies(tmp_path, target):
+    info = DrafterInfo(backbone="hass", tokenizer_fingerprint=target.fingerprint(),
+                       extra={"draft_vocab_coverage": 0.9})
+    pa = save_head(init_head(target.model.config, seed=1).set_draft_vocab(torch.tensor([0, 7, 100])),
+                   tmp_path / "a", info)
+    pb = save_head(init_head(target.model.config, seed=2).set_draft_vocab(torch.tensor([7, 8, 383])),
+                   tmp_path / "b", info)
+    pc = save(target, tmp_path / "c", 3, "full")
+    out = average_checkpoints([pa, pb], tmp_path / "ab", [0.5, 0.5])
+    loaded, merged_info = load_head(out, target)  # strict: d2t / t2d consistent
+    assert loaded.draft_ids.tolist() == [0, 7, 8, 100, 383]
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 5
+    assert "draft_vocab_coverage" not in merged_info.extra  # the members' coverages do not carry over
+    a, b = load_head(pa, target)[0], load_head(pb, target)[0]
+    for key, value in average_heads([a, b]).state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    full = average_checkpoints([pa, pc], tmp_path / "ac")
+    assert load_head(full, target)[0].draft_ids is None
+    assert "draft_vocab_size" not in json.loads((full / "config.json").read_text())
+    assert set(load_file(full / "model.safetensors")).isdisjoint({"d2t", "t2d"})

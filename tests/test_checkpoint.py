@@ -160,3 +160,103 @@ def test_foreign_eagle_checkpoint_loads(tmp_path, saved, target):
     assert info.tokenizer_fingerprint is None
     assert torch.equal(loaded.fc.weight, head.fc.weight)
     assert loaded.config.rope_parameters["rope_theta"] == 10000.0
+
+
+# ---- a draft vocabulary (EAGLE-3 / SGLang): draft_vocab_size + d2t + t2d -----------------------------
+DRAFT_IDS = torch.tensor([0, 3, 4, 10, 57, 200, 383])
+
+
+@pytest.fixture
+def saved_reduced(tmp_path, target):
+    head = init_head(target.model.config, seed=3).set_draft_vocab(DRAFT_IDS)
+    info = DrafterInfo(backbone="eagle2", tokenizer_fingerprint=target.fingerprint(),
+                       extra={"draft_vocab_coverage": 0.75})
+    return save_head(head, tmp_path / "reduced", info), head
+
+
+def test_draft_vocab_logits_are_the_lm_head_rows(target):
+    head = init_head(target.model.config, seed=3).bind(target.embed_tokens, target.lm_head)
+    hidden = torch.randn(2, 5, target.hidden_size)
+    with torch.inference_mode():
+        full = head.logits(hidden)  # [2, 5, V]
+        assert torch.equal(full, target.lm_head(hidden))  # without a draft vocabulary: the LM head, as before
+    head.set_draft_vocab(DRAFT_IDS)
+    with torch.inference_mode():
+        reduced = head.logits(hidden)  # [2, 5, N]
+    assert reduced.shape == (2, 5, len(DRAFT_IDS))
+    assert torch.allclose(reduced, full[..., DRAFT_IDS], atol=1e-6)
+    assert torch.equal(head.to_target_ids(torch.tensor([[0, 6], [2, 1]])), torch.tensor([[0, 383], [4, 3]]))
+    assert head.draft_vocab_size == len(DRAFT_IDS)
+    # the rows are sliced once (outside inference mode: a training step may use them), again after a bind
+    rows = head._draft_rows[1]
+    assert not rows.is_inference() and not rows.requires_grad
+    head.logits(hidden)
+    assert head._draft_rows[1] is rows
+    head.bind(target.embed_tokens, target.lm_head)
+    head.logits(hidden)
+    assert head._draft_rows[1] is not rows
+    # the mapping is not a parameter and not in state_dict (the checkpoint writes d2t / t2d instead)
+    assert set(head.state_dict()) == EXPECTED_KEYS and "draft_ids" not in dict(head.named_parameters())
+    for bad, message in [(torch.tensor([4, 3]), "sorted ascending"), (torch.tensor([3, 3]), "distinct"),
+                         (torch.tensor([0, 384]), r"in \[0, 384\)"), (torch.tensor([]), "non-empty")]:
+        with pytest.raises(ValueError, match=message):
+            head.set_draft_vocab(bad)
+    assert head.set_draft_vocab(None).draft_ids is None and head.logits(hidden).shape[-1] == target.vocab_size
+
+
+def test_draft_vocab_round_trip_in_sglang_form(saved_reduced, target):
+    path, head = saved_reduced
+    tensors = load_file(path / "model.safetensors")
+    assert set(tensors) == EXPECTED_KEYS | {"d2t", "t2d"}
+    n = len(DRAFT_IDS)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].tolist() == (DRAFT_IDS - torch.arange(n)).tolist()
+    assert tensors["d2t"].tolist() == [0, 2, 2, 7, 53, 195, 377]  # target id = d2t[i] + i (SGLang's hot_token_id)
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (target.vocab_size,)
+    assert tensors["t2d"].nonzero().flatten().tolist() == DRAFT_IDS.tolist()
+    config = json.loads((path / "config.json").read_text())
+    assert config["draft_vocab_size"] == n and config["vocab_size"] == target.vocab_size
+    assert config["taps"]["draft_vocab_coverage"] == 0.75
+    loaded, info = load_head(path, target)
+    assert torch.equal(loaded.draft_ids, DRAFT_IDS) and info.extra["draft_vocab_coverage"] == 0.75
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    # a full-vocabulary head saved again has none of it
+    plain = save_head(loaded.set_draft_vocab(None), path.parent / "plain", info)
+    assert "draft_vocab_size" not in json.loads((plain / "config.json").read_text())
+    assert set(load_file(plain / "model.safetensors")) == EXPECTED_KEYS
+
+
+def _flip(t2d, i):
+    t2d = t2d.clone()
+    t2d[i] = ~t2d[i]
+    return t2d
+
+
+def _tensors(**changes):
+    return dict(mutate_tensors=lambda t: t.update({k: f(t[k]) for k, f in changes.items()}))
+
+
+def _config(**values):
+    return dict(mutate_config=lambda c: c.update(values))
+
+
+@pytest.mark.parametrize("mutation, message", [
+    (dict(mutate_tensors=lambda t: t.pop("d2t")), r"missing key\(s\) d2t \(config.json has draft_vocab_size 7\)"),
+    (dict(mutate_tensors=lambda t: t.pop("t2d")), r"missing key\(s\) t2d"),
+    (_tensors(d2t=lambda d: d[:-1]), r"key d2t is torch.int64 \(6,\), expected int64 \(7,\)"),
+    (_tensors(d2t=lambda d: d.float()), "key d2t is torch.float32"),
+    (_tensors(d2t=lambda d: d.flip(0)), "key d2t: the target ids .* distinct and ascending"),
+    (_tensors(d2t=lambda d: d + 10), r"key d2t maps draft indices to target ids .* outside \[0, 384\)"),
+    (_tensors(t2d=lambda m: _flip(m, 5)), "key t2d does not mark exactly the 7 target ids"),
+    (_tensors(t2d=lambda m: _flip(_flip(m, 4), 5)), "key t2d does not mark exactly"),
+    (_tensors(t2d=lambda m: m[:-1]), r"key t2d is torch.bool \(383,\), expected bool \(384,\)"),
+    (_tensors(t2d=lambda m: m.to(torch.uint8)), "key t2d is torch.uint8"),
+    (_config(draft_vocab_size=385), r"draft_vocab_size is 385, expected an integer in \[1, vocab_size 384\]"),
+    (_config(draft_vocab_size=8), r"key d2t is torch.int64 \(7,\), expected int64 \(8,\)"),
+    (dict(mutate_config=lambda c: c.pop("draft_vocab_size")), r"unexpected key\(s\) d2t, t2d"),
+])
+def test_draft_vocab_strict_load_errors_name_the_key(saved_reduced, target, mutation, message):
+    path, _ = saved_reduced
+    rewrite(path, **mutation)
+    with pytest.raises(CheckpointError, match=message):
+        load_head(path, target)

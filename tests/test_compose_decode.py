@@ -171,6 +171,45 @@ def test_partial_acceptance_from_several_drafters_is_lossless(arch, composer):
             assert all(s.tree_size <= 8 for s in result.steps)
 
 
+# ---- a reduced-vocabulary head composed with a full one -----------------------------------------------
+def reduced_copy(model, head, ids):
+    """A copy of `head` (same weights, same target) drafting over the target ids `ids` only."""
+    copy = init_head(model.config)
+    copy.load_state_dict(head.state_dict())
+    return copy.bind(*head.shared).eval().set_draft_vocab(ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", ["route-step-confidence", "route-turn-entropy", "merge-disjoint", "merge-trie",
+                                  "merge-budget", "average"])
+def test_reduced_and_full_heads_compose_losslessly(arch, spec):
+    """fit-b over the 48 tokens most frequent in its own fitting data, with the full-vocabulary
+    fit-a: every composition stays greedy-lossless, the reduced head's drafts get accepted; the weight average
+    of a full and a reduced head drafts over the full vocabulary."""
+    model, target, heads = setup(arch)
+    g = torch.Generator().manual_seed(2)  # fit-b's fitting data, as in setup()
+    seqs = greedy_sequences(target, torch.randint(0, model.config.vocab_size, (12, 6), generator=g).tolist(), 32)
+    counts = torch.bincount(seqs[:, 6:].flatten(), minlength=model.config.vocab_size)  # [V]
+    ids = torch.sort(counts, descending=True, stable=True).indices[:48].sort().values  # [48]
+    chosen = {"fit-a": heads["fit-a"], "fit-b-48": reduced_copy(model, heads["fit-b"], ids)}
+    proposer = build_proposer(tree=TREE, heads=chosen, **SPECS[spec])
+    if spec == "average":
+        assert proposer.head.draft_ids is None
+    cfg = DecodeConfig(max_new_tokens=NEW)
+    accepted = [0, 0]  # accepted drafts credited to fit-a, to the reduced fit-b (the average is drafter 0)
+    for prompt in prompts(8, seed=3)[2:5]:
+        result = generate(target, proposer, prompt, cfg)
+        assert result.tokens == hf_greedy(model, prompt, NEW)
+        at = 1  # tokens[0] comes from the prefill; each step emits its accepted drafts, then a bonus
+        for stats in result.steps:
+            if stats.accepted:
+                accepted[stats.source] += stats.accepted
+            if stats.source == 1:  # a path ending at a node of the reduced head's tree: its target ids
+                assert set(result.tokens[at:at + stats.accepted]) <= set(ids.tolist())
+            at += stats.emitted
+    assert accepted[0] > 0 if spec == "average" else accepted[1] > 0
+
+
 # ---- identical heads: every composition is single-head decoding --------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_identical_heads_reduce_to_single_head(arch):

@@ -14,6 +14,7 @@ from conftest import cached_model, hf_greedy, prompts
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, ContextWindowError, Decoder, generate
 from taps.drafter.checkpoint import init_head
+from taps.drafter.fit import fit_linear_head, greedy_sequences
 from taps.propose.base import Proposer
 from taps.propose.single import SingleProposer
 from taps.target import Target
@@ -142,6 +143,41 @@ def test_noisy_oracle_partial_acceptance_is_lossless(arch):
         assert len({s.accepted for s in result.steps}) >= 3  # the test did exercise partial acceptance
 
 
+# ---- a reduced draft vocabulary (EAGLE-3): drafts are target ids, verification is unchanged ---------
+def drafted_tokens(result) -> list[int]:
+    """The accepted draft tokens of every step (each step emits its accepted drafts, then a bonus)."""
+    out, at = [], 1  # tokens[0] comes from the prefill
+    for s in result.steps:
+        out += result.tokens[at:at + s.accepted]
+        at += s.emitted
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_reduced_vocab_head_is_lossless(arch):
+    """A head fitted on the target's greedy continuations, restricted to the 32 tokens most frequent
+    there: output identical to plain greedy, drafts get accepted and every accepted draft is a
+    target id of the draft vocabulary (the tree was mapped from draft indices). The same head over
+    the 32 LEAST frequent tokens (drafts nearly always rejected) is just as lossless."""
+    model = cached_model(arch)
+    target = Target(model)
+    g = torch.Generator().manual_seed(1)
+    seqs = greedy_sequences(target, torch.randint(0, model.config.vocab_size, (12, 6), generator=g).tolist(), 32)
+    counts = torch.bincount(seqs[:, 6:].flatten(), minlength=model.config.vocab_size)  # [V]
+    order = torch.sort(counts, descending=True, stable=True).indices  # [V]
+    frequent, rare = order[:32].sort().values, order[-32:].sort().values
+    accepted = 0
+    for ids in (frequent, rare):
+        head = fit_linear_head(target, seqs, seed=3).set_draft_vocab(ids)
+        for prompt in prompts(4, seed=3):
+            result = generate(target, SingleProposer(head, SHAPES["default"]), prompt, DecodeConfig(max_new_tokens=NEW))
+            assert result.tokens == hf_greedy(model, prompt, NEW)
+            drafted = drafted_tokens(result)
+            assert set(drafted) <= set(ids.tolist())
+            accepted += len(drafted) if ids is frequent else 0
+    assert accepted >= 4  # the frequent-token head did get drafts accepted
+
+
 # ---- stop tokens, window, errors ------------------------------------------------------------------
 def test_stop_token_cuts_output_identically():
     model = cached_model("llama")
@@ -235,15 +271,44 @@ def test_sampling_is_seeded():
     assert a != generate(target, proposer, [1, 2, 3], cfg(2)).tokens
 
 
-def test_sampling_end_to_end_matches_target_distribution():
-    """Second new token (the first one a tree verification emits) over many seeds, with a drafter
-    that proposes the target's own top tokens (so drafts are often accepted), against the exact
-    marginal sum_a p(a) p(. | a)."""
-    vocab = 16
-    model = tiny_model("llama", seed=5, vocab_size=vocab, hidden_size=32, layers=1, heads=2, kv_heads=1,
-                       intermediate=64)
+SAMPLING_VOCAB = 16
+
+
+def sampling_model():
+    return tiny_model("llama", seed=5, vocab_size=SAMPLING_VOCAB, hidden_size=32, layers=1, heads=2, kv_heads=1,
+                      intermediate=64)
+
+
+def check_second_token_distribution(model, proposer, prompt, n=2000):
+    """Second new token (the first one a tree verification emits) over n seeds against the exact
+    marginal sum_a p(a) p(. | a); returns how many first steps accepted a draft."""
+    vocab = model.config.vocab_size
     target = Target(model)
-    prompt = [3, 7, 1]
+
+    def probs(seq):
+        with torch.inference_mode():
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+
+    p1 = probs(prompt)
+    exact = sum(p1[a] * probs(prompt + [a]) for a in range(vocab))
+    seconds, accepted, drafter = [], 0, proposer(target)
+    for seed in range(n):
+        result = generate(target, drafter, prompt,
+                          DecodeConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed))
+        seconds.append(result.tokens[1])
+        accepted += result.steps[0].accepted
+    counts = torch.bincount(torch.tensor(seconds), minlength=vocab).double() / n
+    tv = 0.5 * float((counts - exact).abs().sum())
+    bound = 0.5 * math.sqrt(2 * (vocab * math.log(2) + math.log(1e6)) / n)
+    assert tv < bound
+    wrong = 0.5 * exact + 0.5 * torch.nn.functional.one_hot(exact.argmax(), vocab).double()
+    assert 0.5 * float((counts - wrong).abs().sum()) > 2 * bound
+    return accepted
+
+
+def test_sampling_end_to_end_matches_target_distribution():
+    """With a drafter that proposes the target's own top tokens (so drafts are often accepted)."""
+    model = sampling_model()
 
     def probs(seq):
         with torch.inference_mode():
@@ -258,22 +323,28 @@ def test_sampling_end_to_end_matches_target_distribution():
                 tokens.append(b)
         return tree_from(parents, tokens)
 
-    p1 = probs(prompt)
-    exact = sum(p1[a] * probs(prompt + [a]) for a in range(vocab))
     n = 2000
-    seconds, accepted = [], 0
-    for seed in range(n):
-        result = generate(target, CallbackProposer(top_tokens_tree), prompt,
-                          DecodeConfig(max_new_tokens=3, sampling=SamplingConfig(1.0), seed=seed))
-        seconds.append(result.tokens[1])
-        accepted += result.steps[0].accepted
-    counts = torch.bincount(torch.tensor(seconds), minlength=vocab).double() / n
-    tv = 0.5 * float((counts - exact).abs().sum())
-    bound = 0.5 * math.sqrt(2 * (vocab * math.log(2) + math.log(1e6)) / n)
+    accepted = check_second_token_distribution(model, lambda target: CallbackProposer(top_tokens_tree), [3, 7, 1], n)
     assert n // 4 < accepted < n  # drafts were accepted and rejected: both paths were exercised
-    assert tv < bound
-    wrong = 0.5 * exact + 0.5 * torch.nn.functional.one_hot(exact.argmax(), vocab).double()
-    assert 0.5 * float((counts - wrong).abs().sum()) > 2 * bound
+
+
+def test_sampling_with_a_reduced_vocab_head_matches_target_distribution():
+    """An EAGLE head drafting over 6 of the 16 tokens, including the target's most likely next
+    tokens and leaving out others it samples often: still the target's distribution exactly."""
+    model = sampling_model()
+    prompt = [3, 7, 1]
+    with torch.inference_mode():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    ranked = torch.sort(p1, descending=True, stable=True).indices
+    ids = torch.cat([ranked[:3], ranked[5:8]]).sort().values  # the 4th and 5th most likely are left out
+
+    def proposer(target):
+        head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head).set_draft_vocab(ids)
+        return SingleProposer(head, TreeConfig(12, 2, 4))
+
+    n = 2000
+    accepted = check_second_token_distribution(model, proposer, prompt, n)
+    assert n // 4 < accepted < n  # drafts were accepted and rejected: both paths were exercised
 
 
 def test_plain_decoder_is_reusable():

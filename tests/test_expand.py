@@ -1,6 +1,8 @@
 """EAGLE-2 expansion: tree shape rules, beam selection, and scores equal to running the head
 sequentially along each path (which checks the expansion's attention masks and positions)."""
 
+import math
+
 import pytest
 import torch
 
@@ -26,7 +28,8 @@ def setup(seed=0, arch="llama"):
 
 def sequential_scores(head, ctx, tree, node):
     """Cumulative log-prob and proposing entropy of `node`, running the head one token at a time
-    along its path with a copy of the context cache."""
+    along its path with a copy of the context cache (log-probs over the head's draft vocabulary,
+    if it has one: a target id is looked up by its draft index)."""
     path = tree.path_to(node)
     cache = kv.new_cache()
     for layer_src in ctx.cache.layers:
@@ -36,7 +39,8 @@ def sequential_scores(head, ctx, tree, node):
         for i, nid in enumerate(path[1:]):
             logp = torch.log_softmax(head.logits(hidden).float(), -1)
             tok = int(tree.tokens[nid])
-            total += float(logp[tok])
+            index = tok if head.draft_ids is None else int((head.draft_ids == tok).nonzero())
+            total += float(logp[index])
             ent = float(entropy_of(logp))
             if i == len(path) - 2:
                 break
@@ -115,3 +119,18 @@ def test_expansion_is_deterministic_and_context_consistent():
     both = consume(head, first, nxt[3:], out.features[3:])
     assert both.length == ctx.length and both.root_token == ctx.root_token
     assert torch.allclose(both.root_hidden, ctx.root_hidden, atol=1e-5)
+
+
+def test_reduced_vocab_tree_holds_target_ids_and_draft_scores():
+    """With a draft vocabulary the tree holds target ids of that vocabulary (never draft indices),
+    and its scores and entropies are those of the head's N-way distribution, node for node."""
+    _, head, ctx = setup(seed=1)
+    ids = torch.arange(7, 384, 5)  # [76] target ids 7, 12, ...: draft index i is never target id i
+    head.set_draft_vocab(ids)
+    tree = expand_tree(head, ctx, TreeConfig(60, 5, 10))
+    assert tree.size == 60 and set(tree.tokens[1:].tolist()) <= set(ids.tolist())
+    for node in range(1, tree.size):
+        logp, ent = sequential_scores(head, ctx, tree, node)
+        assert abs(float(tree.logp[node]) - logp) < 1e-4, node
+        assert abs(float(tree.entropy[node]) - ent) < 1e-4, node
+    assert float(tree.entropy[1:].max()) <= math.log(len(ids)) + 1e-4  # an entropy over N, not V, outcomes

@@ -194,6 +194,114 @@ def test_step_terms_hand_made():
     assert step_terms(predicted, logits, targets, q, only_first, topk=None).distill.item() == 0.0
 
 
+# ---- a draft vocabulary (EAGLE-3): every vocabulary-sized term over N tokens ------------------------
+def two_dim_head(draft_ids, scale=2.0):
+    """A head on a hand-made 'target' of hidden size 2 and vocabulary 4: lm_head(f) = log [1, 2, 3, 4]
+    for f = [1, 0]; the head's attention and MLP add nothing and fc maps (embed, f) to scale * f."""
+    from torch import nn
+    from transformers import LlamaConfig
+
+    from taps.drafter.head import EagleHead
+
+    config = LlamaConfig(vocab_size=4, hidden_size=2, intermediate_size=2, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=2, num_hidden_layers=1)
+    head = EagleHead(config)
+    lm_head, embed = nn.Linear(2, 4, bias=False), nn.Embedding(4, 2)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.tensor([[math.log(x), 0.0] for x in (1.0, 2.0, 3.0, 4.0)]))
+        head.fc.weight.copy_(torch.tensor([[0.0, 0.0, scale, 0.0], [0.0, 0.0, 0.0, scale]]))
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    lm_head.requires_grad_(False)
+    embed.requires_grad_(False)
+    return head.bind(embed, lm_head).set_draft_vocab(torch.tensor(draft_ids))
+
+
+def test_draft_vocab_loss_hand_computed():
+    """Draft tokens {1, 3} of 4. The target's distribution at f is [.1, .2, .3, .4]; restricted and
+    renormalised q = [1/3, 2/3]; the head outputs 2f, so p = softmax(2 log [2, 4]) = [.2, .8].
+    Soft cross-entropy -(1/3 log .2 + 2/3 log .8), top-1 distillation -(2/3) log .8, feature
+    SmoothL1(2f, f) = 0.25; the target's argmax 3 is the head's (draft index 1): top-1 = 1. Over
+    draft tokens {1, 2} the target's argmax is outside the vocabulary: a miss."""
+    f = torch.tensor([1.0, 0.0])
+    batch = pad_batch([(torch.tensor([0, 1, 2, 3]), f.expand(4, 2).clone(), torch.ones(4))])  # 3 counted pairs
+    token = -(1 / 3 * math.log(0.2) + 2 / 3 * math.log(0.8))
+    for loss_fn, cfg in [(eagle2_loss, Eagle2Config(**NO_NOISE)), (hass_loss, HassConfig(**NO_NOISE, topk=1, steps=1))]:
+        out = loss_fn(two_dim_head([1, 3]), batch, cfg)
+        step = out.steps[0]
+        assert float(step.count) == 3
+        assert step.feature.item() == pytest.approx(0.25, rel=1e-6)
+        assert step.token.item() == pytest.approx(token, rel=1e-6)
+        distill = -(2 / 3) * math.log(0.8) if loss_fn is hass_loss else 0.0
+        assert step.distill.item() == pytest.approx(distill, rel=1e-6, abs=1e-9)
+        assert out.loss.item() == pytest.approx(0.25 + 0.1 * token + distill, rel=1e-6)
+        assert step.top1.item() == 1.0
+    # draft tokens {1, 2}: q = [.4, .6], p = softmax(2 log [2, 3]) = [4/13, 9/13]; argmax 3 is outside
+    out = eagle2_loss(two_dim_head([1, 2]), batch, Eagle2Config(**NO_NOISE))
+    assert out.steps[0].token.item() == pytest.approx(-(0.4 * math.log(4 / 13) + 0.6 * math.log(9 / 13)), rel=1e-6)
+    assert out.steps[0].top1.item() == 0.0
+
+
+@pytest.mark.parametrize("loss_fn, cfg", [(eagle2_loss, Eagle2Config(**NO_NOISE)),
+                                          (hass_loss, HassConfig(**NO_NOISE, topk=3))])
+def test_draft_vocab_loss_is_the_restricted_soft_cross_entropy(target, batch, loss_fn, cfg):
+    """On the tiny target, by hand from the head's outputs: q = softmax over the draft rows of the
+    target's logits, log p = log-softmax over the same rows, top-K in draft index space."""
+    ids = torch.tensor([1, 5, 9, 40, 77, 200, 301, 383])
+    head = make_head(target, seed=2).set_draft_vocab(ids)
+    out = loss_fn(head, batch, cfg)
+    pairs = head_pairs(batch)
+    w = pairs.weight  # [B, T-1]
+    steps = len(out.steps)
+    with torch.no_grad():
+        outs = aligned_outputs(head, pairs.tokens, pairs.features, pairs.positions, steps)
+        full_q = target.lm_head(pairs.targets[w])  # [P, V]
+        q = torch.softmax(full_q[:, ids], dim=-1)  # [P, N]
+    t = torch.arange(w.shape[1]).expand_as(w)[w]  # [P]
+    for j, o in enumerate(outs, start=1):
+        logp = torch.log_softmax(target.lm_head(o[w])[:, ids], dim=-1)  # [P, N]
+        keep = t >= j - 1
+        assert torch.allclose(out.steps[j - 1].token, (-(q * logp).sum(-1))[keep].mean(), atol=1e-5)
+        if loss_fn is hass_loss:
+            top_q, top_x = q.topk(3, dim=-1)
+            assert torch.allclose(out.steps[j - 1].distill, (-(top_q * logp.gather(-1, top_x)).sum(-1))[keep].mean(),
+                                  atol=1e-5)
+        guess = ids[logp.argmax(-1)]
+        agree = (guess == full_q.argmax(-1)).float()[keep].mean()  # the target's FULL argmax
+        assert torch.allclose(out.steps[j - 1].top1, agree)
+
+
+@pytest.mark.parametrize("loss_fn, cfg", [(eagle2_loss, Eagle2Config()), (hass_loss, HassConfig())])
+def test_draft_vocab_training_never_runs_the_full_lm_head(target, batch, loss_fn, cfg):
+    """The saving is real: a training step (no top-1 metric) computes [.., N] logits only; the
+    evaluation's top-1 metric runs the full LM head once, for the target's argmax."""
+    ids = torch.arange(0, 384, 8)  # N = 48
+    head = make_head(target).set_draft_vocab(ids)
+    widths = []
+    hook = target.lm_head.register_forward_hook(lambda m, i, o: widths.append(o.shape[-1]))
+    try:
+        out = loss_fn(head, batch, replace(cfg, top1=False), torch.Generator().manual_seed(0))
+        out.loss.backward()
+        assert widths == []
+        loss_fn(head, batch, replace(cfg, top1=True), torch.Generator().manual_seed(0))
+        assert widths == [384]
+    finally:
+        hook.remove()
+    assert losses.target_distribution(head, batch.hidden[0]).shape == (batch.hidden.shape[1], 48)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
+
+
+def test_step_terms_over_a_draft_vocabulary_map_the_argmax():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]])  # [1, 2, 3] over draft ids [4, 7, 9]
+    q = torch.softmax(logits, -1)
+    x = torch.zeros(1, 2, 2)
+    both = torch.tensor([[True, True]])
+    s = step_terms(x, logits, x, q, both, None, q_argmax=torch.tensor([[7, 5]]), draft_ids=torch.tensor([4, 7, 9]))
+    assert s.top1.item() == pytest.approx(0.5)  # 7 == 7; 4 != 5 (5 is outside the draft vocabulary)
+    with pytest.raises(ValueError, match="q_argmax in target ids"):
+        step_terms(x, logits, x, q, both, None, draft_ids=torch.tensor([4, 7, 9]))
+
+
 # ---- masking and padding ---------------------------------------------------------------------
 def scramble_padding(batch, seed):
     g = torch.Generator().manual_seed(seed)

@@ -130,6 +130,44 @@ def test_checkpoint_without_a_clock_resumes_timed_from_its_step(tmp_path, target
     assert load_head(tmp_path / "old", target)[1].extra["timed_from_step"] == resumed.steps_per_epoch
 
 
+def test_draft_vocab_is_chosen_from_training_records_and_resume_refuses_another(tmp_path, target, features,
+                                                                              monkeypatch):
+    """--draft-vocab: the N most frequent loss tokens of the TRAINING records (held-out ones are not
+    looked at), the stop tokens always in; saved with the head; a resume under another draft
+    vocabulary (or none) is refused naming the key, under the same one it continues."""
+    from taps.data.features import FeatureSet
+    from taps.train.draft_vocab import loss_token_counts, select_draft_vocab
+
+    real_save = Trainer._save
+
+    def save_then_die(self, metrics):
+        real_save(self, metrics)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        fit(target, features, tmp_path / "v", backbone="hass", draft_vocab=40, max_len=60)
+    monkeypatch.setattr(Trainer, "_save", real_save)
+    trainer = Trainer(target, features, tmp_path / "v", config(backbone="hass", draft_vocab=40, max_len=60))
+    counts = loss_token_counts(FeatureSet.from_specs(str(features)), target.vocab_size, trainer.train_idx, max_len=60)
+    stops = target.stop_token_ids()
+    assert stops and torch.equal(trainer.head.draft_ids, select_draft_vocab(counts, 40, always=stops))
+    step_head, _ = load_head(next((tmp_path / "v" / "ckpt").glob("step-*/head")), target)
+    assert torch.equal(step_head.draft_ids, trainer.head.draft_ids)  # the epoch checkpoint's head has it too
+    for other in (48, None):
+        with pytest.raises(TrainingError, match=f"saved with draft_vocab 40, this run has {other}"):
+            Trainer(target, features, tmp_path / "v", config(backbone="hass", draft_vocab=other, max_len=60)).resume()
+    assert trainer.resume()
+    trainer.fit(progress=False)
+    head, info = load_head(tmp_path / "v", target)
+    assert torch.equal(head.draft_ids, trainer.head.draft_ids)
+    assert info.extra["draft_vocab_coverage"] == round(float(counts[head.draft_ids].sum() / counts.sum()), 6)
+    with pytest.raises(ValueError, match="draft vocabulary size 385 must be between 1 and"):
+        Trainer(target, features, tmp_path / "big", config(draft_vocab=385))
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
+        config(draft_vocab=0)
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, target, features, monkeypatch):
     real = trainer_mod.eagle2_loss
     calls = {"n": 0}

@@ -121,6 +121,14 @@ def _add_drafter(sub) -> None:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--fc-bias", action="store_true", help="build fc with a bias")
     init.set_defaults(func=_drafter_init)
+    reduce = dsub.add_parser("reduce-vocab", help="copy a drafter with a draft vocabulary: the N most frequent "
+                                                  "target tokens of training features (EAGLE-3 / SGLang d2t, t2d)")
+    reduce.add_argument("--drafter", required=True, help="drafter directory to copy (weights unchanged)")
+    reduce.add_argument("--features", required=True, metavar="DIR[,DIR...]",
+                        help="features directories whose assistant tokens are counted (DIR:LIMIT: first LIMIT records)")
+    reduce.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size, 1..V")
+    reduce.add_argument("--out", required=True, help="output drafter directory")
+    reduce.set_defaults(func=_drafter_reduce_vocab)
 
 
 def _drafter_init(args) -> int:
@@ -128,6 +136,16 @@ def _drafter_init(args) -> int:
 
     out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias)
     print(f"wrote an untrained drafter for {args.target} to {out}")
+    return 0
+
+
+def _drafter_reduce_vocab(args) -> int:
+    from taps.train.draft_vocab import reduce_vocab
+
+    features = [f for f in args.features.split(",") if f.strip()]
+    out, vocab = reduce_vocab(args.drafter, features, args.size, args.out)
+    print(f"wrote {out}: a draft vocabulary of {args.size} tokens covers {vocab.coverage:.2%} of "
+          f"{vocab.counted:,} assistant tokens")
     return 0
 
 

@@ -202,6 +202,16 @@ class FeatureShards:
     def __len__(self) -> int:
         return len(self._index)
 
+    def token_arrays(self):
+        """Per shard, in record order: (first record index, input_ids [N], loss_mask [N], offsets
+        [R+1]); the token ids and masks without the hidden states (counting tokens reads no features)."""
+        first = 0
+        for shard in self.manifest["shards"]:
+            with safe_open(self.path / shard["name"], framework="pt") as f:
+                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+            yield first, ids, mask, self._offsets[shard["name"]]
+            first += shard["records"]
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         name, j = self._index[i]
         lo, hi = int(self._offsets[name][j]), int(self._offsets[name][j + 1])
@@ -242,6 +252,17 @@ class FeatureSet:
 
     def __len__(self) -> int:
         return sum(n for _, n in self.parts)
+
+    def token_arrays(self):
+        """FeatureShards.token_arrays over every part, record indices global to this set and each
+        part cut to its limit (a shard past the limit keeps offsets [R'+1] of its first R' records)."""
+        base = 0
+        for shards, n in self.parts:
+            for first, ids, mask, offsets in shards.token_arrays():
+                if first >= n:
+                    break
+                yield base + first, ids, mask, offsets[: min(n - first, offsets.numel() - 1) + 1]
+            base += n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         for shards, n in self.parts:

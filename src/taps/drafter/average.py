@@ -6,22 +6,24 @@ define the computation (sizes, rope, norm epsilon, activation, fc bias); checkpo
 carry the same target tokenizer fingerprint. Anything else is an error naming what differs.
 
 lambda_sweep gives the paper's Figure 6 interpolation lambda * A + (1 - lambda) * B.
+
+Draft vocabularies (drafter/head.py) may differ: no weight depends on them (the LM head is the
+target's), so they are not averaged; the average drafts over the union of the members' draft
+vocabularies, or over the full vocabulary if any member does.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, DrafterInfo, _atomic_write, read_config, read_weights
+from taps.drafter.checkpoint import DrafterInfo, pop_draft_vocab, read_config, read_weights, write_drafter
 from taps.drafter.head import EagleHead
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
@@ -77,6 +79,13 @@ def average_state_dicts(states: Sequence[Mapping[str, Tensor]], weights: Sequenc
     return out
 
 
+def union_draft_vocab(draft_ids: Sequence[Tensor | None]) -> Tensor | None:
+    """The union of draft vocabularies ([N] ascending target ids), None if any is the full one."""
+    if any(ids is None for ids in draft_ids):
+        return None
+    return torch.unique(torch.cat([ids.cpu() for ids in draft_ids]))  # [N] sorted
+
+
 def _rope_theta(config: Mapping) -> float | None:
     rope = config.get("rope_parameters") or {}
     return rope.get("rope_theta", config.get("rope_theta"))
@@ -110,6 +119,7 @@ def average_heads(heads: Sequence[EagleHead], weights: Sequence[float] | None = 
     out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
     out.load_state_dict(state, strict=True)
     out = out.to(device=ref.device, dtype=ref.dtype).eval()
+    out.set_draft_vocab(union_draft_vocab([h.draft_ids for h in heads]))
     if heads[0].is_bound:
         out.bind(*heads[0].shared)
     return out
@@ -146,7 +156,9 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     if any(i.tokenizer_fingerprint is None for i in infos):
         warnings.warn("some drafters carry no taps.tokenizer_fingerprint (foreign checkpoints?); "
                       "their target could not be checked")
-    state = average_state_dicts([read_weights(p) for p in paths], weights, labels)
+    tensors = [read_weights(p) for p in paths]
+    draft_ids = union_draft_vocab([pop_draft_vocab(t, c, p) for t, c, p in zip(tensors, configs, paths)])
+    state = average_state_dicts(tensors, weights, labels)
 
     names = list(names) if names is not None else [p.name for p in paths]
     backbones = sorted({i.backbone for i in infos})
@@ -158,14 +170,7 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
         extra={"averaged_from": [{"name": n, "path": str(p), "weight": w, "backbone": i.backbone,
                                   "training_data": i.training_data}
                                  for n, p, w, i in zip(names, paths, weights, infos)]})
-    config = dict(configs[0])
-    config["taps"] = info.to_json()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in state.items()}
-    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
-    return out
+    return write_drafter(out_dir, dict(configs[0]), state, info, draft_ids)
 
 
 def sweep_dir_name(lam: float) -> str:

@@ -7,6 +7,12 @@ A drafter directory holds `config.json` (a LlamaConfig with num_hidden_layers 1,
 No embedding, no LM head: the target's are used. A foreign checkpoint's `embed_tokens.weight`
 is ignored. Anything else that does not fit is an error naming the key: a silently half-loaded
 head still "works" and serves acceptance length ~1.0.
+
+A head with a draft vocabulary of N target tokens (drafter/head.py) carries it as EAGLE-3 heads
+do and SGLang reads it: config.json `"draft_vocab_size": N`, and in model.safetensors `d2t`
+(int64 [N], the offset form: target id of draft index i = d2t[i] + i) and `t2d` (bool [V], True
+at the target ids in the draft vocabulary). Both tensors must be there, agree with each other and
+with the target's vocabulary; a head without draft_vocab_size must have neither.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ FORMAT_VERSION = 1
 IGNORED_FOREIGN_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
 # config.json entries that are not LlamaConfig fields of the head (or do not concern it)
 NOT_HEAD_CONFIG = ("taps", "bias", "architectures", "rope_theta", "model_type", "transformers_version",
-                   "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+                   "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "draft_vocab_size")
+DRAFT_VOCAB_KEYS = ("d2t", "t2d")
 
 
 class CheckpointError(ValueError):
@@ -80,14 +87,73 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+def draft_vocab_tensors(draft_ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """`d2t` [N] int64 (offset form: d2t[i] = target id of draft index i - i) and `t2d` [V] bool."""
+    ids = draft_ids.detach().long().cpu()  # [N]
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
+
+
+def pop_draft_vocab(tensors: dict[str, torch.Tensor], config: dict, path: str | Path) -> torch.Tensor | None:
+    """Take `d2t` / `t2d` out of a drafter's tensors and return its draft ids [N] (None: the full
+    vocabulary), checked strictly against config.json's draft_vocab_size and vocab_size. Without
+    draft_vocab_size nothing is taken, so stray d2t / t2d stay behind as unexpected keys."""
+    path = Path(path)
+    n = config.get("draft_vocab_size")
+    if n is None:
+        return None
+    v = config["vocab_size"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= v:
+        raise CheckpointError(f"{path / CONFIG_NAME}: draft_vocab_size is {n!r}, expected an integer in "
+                              f"[1, vocab_size {v}]")
+    weights = path / WEIGHTS_NAME
+    missing = [key for key in DRAFT_VOCAB_KEYS if key not in tensors]
+    if missing:
+        raise CheckpointError(f"{weights}: missing key(s) {', '.join(missing)} (config.json has draft_vocab_size {n})")
+    d2t, t2d = tensors.pop("d2t"), tensors.pop("t2d")
+    if tuple(d2t.shape) != (n,) or d2t.dtype not in (torch.int64, torch.int32):
+        raise CheckpointError(f"{weights}: key d2t is {d2t.dtype} {tuple(d2t.shape)}, expected int64 ({n},) "
+                              "(draft_vocab_size)")
+    if tuple(t2d.shape) != (v,) or t2d.dtype != torch.bool:
+        raise CheckpointError(f"{weights}: key t2d is {t2d.dtype} {tuple(t2d.shape)}, expected bool ({v},) "
+                              "(vocab_size)")
+    ids = d2t.long() + torch.arange(n)  # [N] target ids
+    if int(ids.min()) < 0 or int(ids.max()) >= v:
+        raise CheckpointError(f"{weights}: key d2t maps draft indices to target ids "
+                              f"{int(ids.min())}..{int(ids.max())}, outside [0, {v}) (target id = d2t[i] + i)")
+    if n > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise CheckpointError(f"{weights}: key d2t: the target ids d2t[i] + i must be distinct and ascending")
+    if int(t2d.sum()) != n or not bool(t2d[ids].all()):
+        raise CheckpointError(f"{weights}: key t2d does not mark exactly the {n} target ids of d2t "
+                              f"({int(t2d.sum())} marked)")
+    return ids
+
+
+def write_drafter(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], info: DrafterInfo,
+                  draft_ids: torch.Tensor | None = None) -> Path:
+    """Write a drafter directory from a config dict and head tensors (each file replaced
+    atomically); with draft_ids, also draft_vocab_size, d2t and t2d."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in config.items() if k != "draft_vocab_size"}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items() if k not in DRAFT_VOCAB_KEYS}
+    if draft_ids is not None:
+        config["draft_vocab_size"] = int(draft_ids.numel())
+        tensors.update(draft_vocab_tensors(draft_ids, int(config["vocab_size"])))
+    config["taps"] = info.to_json()
+    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    return out
+
+
 def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc_bias: bool = False) -> Path:
     """Write config.json + model.safetensors; each file is replaced atomically.
 
     export_fc_bias writes a zero `fc.bias` for engines that always build fc with a bias (SGLang).
+    A head's draft vocabulary is written as draft_vocab_size + d2t + t2d (module docstring).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    tensors = dict(head.state_dict())
     bias = head.bias
     if export_fc_bias and "fc.bias" not in tensors:
         tensors["fc.bias"] = torch.zeros(head.config.hidden_size, dtype=tensors["fc.weight"].dtype)
@@ -100,10 +166,7 @@ def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]  # top-level copy for engines that read it there
-    config["taps"] = info.to_json()
-    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
-    return out
+    return write_drafter(out_dir, config, tensors, info, head.draft_ids)
 
 
 def weights_digest(drafter_dir: str | Path) -> str:
@@ -167,6 +230,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
 
     weights = path / WEIGHTS_NAME
     tensors = read_weights(path)
+    draft_ids = pop_draft_vocab(tensors, config, path)
 
     fields = {k: v for k, v in config.items() if k not in NOT_HEAD_CONFIG}
     if "rope_parameters" not in fields and "rope_theta" in config:
@@ -190,7 +254,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
             raise CheckpointError(
                 f"{weights}: key {key} has shape {tuple(tensors[key].shape)}, expected {tuple(value.shape)} for this target")
     head.load_state_dict(tensors, strict=True)
-    head = head.to(device=target.device, dtype=target.dtype).eval()
+    head = head.to(device=target.device, dtype=target.dtype).eval().set_draft_vocab(draft_ids)
     return head.bind(target.embed_tokens, target.lm_head), info
 
 

@@ -8,6 +8,10 @@
    Candidates are created parents-first and scores never increase along a path, so a stable
    sort keeps every kept node's parent; restoring creation order puts parents before children.
 A chain is the same code with top_k = 1. The head's distribution is always at temperature 1.
+With a draft vocabulary (drafter/head.py) the head's distribution is over its N draft tokens:
+top-k picks draft indices, mapped at once to target ids (the head consumes target ids and the
+DraftTree holds only target ids), and scores, confidences and entropies are those of that
+N-way distribution. Verification is unchanged and stays lossless whatever the draft distribution.
 With a cost-aware `policy` (drafter/auto_tree.py), cfg's depth and total_tokens are caps: the
 policy stops drafting after any level and chooses how many of the best nodes to keep.
 The head's cache is returned to the context length afterwards: tree rows are scratch.
@@ -33,9 +37,10 @@ def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
 @torch.inference_mode()
 def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int = 0, policy=None) -> DraftTree:
     device = ctx.root_hidden.device
-    root_logp = torch.log_softmax(head.logits(ctx.root_hidden).float(), dim=-1)  # [V]
+    root_logp = torch.log_softmax(head.logits(ctx.root_hidden).float(), dim=-1)  # [V] (or [N] draft vocabulary)
     k = min(cfg.top_k, root_logp.shape[-1])
-    top_logp, top_tok = root_logp.topk(k)  # [k], [k]
+    top_logp, top_idx = root_logp.topk(k)  # [k], [k]
+    top_tok = head.to_target_ids(top_idx)  # [k] target ids
 
     # Candidate table, grown level by level (candidate ids are positions in the concatenation).
     cand_tok = [top_tok]
@@ -59,8 +64,9 @@ def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int 
         mask = additive_mask(anc, None, ctx.length, None, beam_feat.dtype)  # context + own ancestors
         positions = torch.full((1, k), ctx.length + level - 2, dtype=torch.long, device=device)
         hidden = head(beam_tok[None], beam_feat[None], positions, mask, ctx.cache)[0]  # [k, H]
-        logp = torch.log_softmax(head.logits(hidden).float(), dim=-1)  # [k, V]
-        child_logp, child_tok = logp.topk(k, dim=-1)  # [k, k]
+        logp = torch.log_softmax(head.logits(hidden).float(), dim=-1)  # [k, V] (or [k, N])
+        child_logp, child_idx = logp.topk(k, dim=-1)  # [k, k]
+        child_tok = head.to_target_ids(child_idx)  # [k, k] target ids
         cum = (beam_score[:, None] + child_logp).flatten()  # [k*k]
 
         cand_tok.append(child_tok.flatten())

@@ -4,11 +4,19 @@ SPEC §1: `fc = Linear(2h -> h)` on `concat(embed(token_{t+1}), feature_t)`, the
 layer with NO input layernorm and NO final norm; the target's own embedding and LM head are
 used by reference (they are never copied, registered or saved). Module and key names follow
 the published EAGLE / HASS heads: `fc.*`, `layers.0.*`.
+
+Draft vocabulary (EAGLE-3 / SGLang): a head may draft over N target tokens only, `draft_ids`
+[N] (their target ids, ascending). Its logits are then the N matching rows of the target's LM
+head, so drafting and training pay an [.., N] matmul instead of [.., V]. Those rows are sliced
+once per bind (and again only if the LM head's weight moves to another device or dtype), never
+per call, and kept out of state_dict: the checkpoint stores the mapping as d2t / t2d
+(drafter/checkpoint.py). Verification never sees draft indices: expand.py maps them to target ids.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -52,12 +60,45 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(config)  # buffers only, not persistent
         self._shared: tuple[nn.Module, nn.Module] | None = None
+        # [N] long target id of each draft index, or None (the full vocabulary); not in state_dict
+        self.register_buffer("draft_ids", None, persistent=False)
+        self._draft_rows: tuple[tuple, Tensor, Tensor | None] | None = None  # (key, weight [N, H], bias [N])
 
     def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "EagleHead":
         """Use the target's embedding and LM head by reference (a plain tuple: not submodules,
         so they never appear in parameters(), state_dict() or an optimizer)."""
         self._shared = (embed_tokens, lm_head)
+        self._draft_rows = None
         return self
+
+    def set_draft_vocab(self, draft_ids: Tensor | None) -> "EagleHead":
+        """Draft over these target ids only ([N], distinct, ascending, within the LM head's
+        vocab_size), or over the full vocabulary (None). The weights do not change: only which
+        rows of the target's LM head give the logits."""
+        if draft_ids is not None:
+            ids = torch.as_tensor(draft_ids).detach()
+            if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ValueError(f"draft_ids must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                                 f"{tuple(ids.shape)}")
+            ids = ids.long().cpu().clone()  # our own copy: the caller's tensor may change
+            v = self.config.vocab_size
+            if int(ids.min()) < 0 or int(ids.max()) >= v:
+                raise ValueError(f"draft_ids must lie in [0, {v}), got {int(ids.min())}..{int(ids.max())}")
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                raise ValueError("draft_ids must be distinct and sorted ascending")
+            draft_ids = ids.to(self.fc.weight.device)
+        self.draft_ids = draft_ids
+        self._draft_rows = None
+        return self
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """N with a draft vocabulary, else the target's vocabulary size."""
+        return int(self.draft_ids.numel()) if self.draft_ids is not None else int(self.config.vocab_size)
+
+    def to_target_ids(self, index: Tensor) -> Tensor:  # [...] draft index -> [...] target id
+        """Target token ids of draft indices (the identity without a draft vocabulary)."""
+        return index if self.draft_ids is None else self.draft_ids[index]
 
     @property
     def is_bound(self) -> bool:
@@ -90,6 +131,25 @@ class EagleHead(nn.Module):
             position_embeddings=cos_sin,
         )
 
-    def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V]
+    def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V], or [..., N] with a draft vocabulary
         _, lm_head = self.shared
-        return lm_head(hidden)
+        if self.draft_ids is None:
+            return lm_head(hidden)
+        weight, bias = self._draft_lm_head(lm_head)
+        return F.linear(hidden, weight, bias)  # [..., N]
+
+    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """The LM head's rows of the draft vocabulary ([N, H], bias [N] or None), sliced on first
+        use after a bind and again only if the LM head's weight changed device, dtype or storage.
+        Sliced outside inference mode (a tensor made inside it could not be saved for backward in
+        a later training step) and without grad: the LM head is the target's, frozen."""
+        weight = lm_head.weight
+        key = (weight.device, weight.dtype, weight.data_ptr(), self.draft_ids.device, self.draft_ids.data_ptr())
+        if self._draft_rows is None or self._draft_rows[0] != key:
+            bias = getattr(lm_head, "bias", None)
+            with torch.inference_mode(False), torch.no_grad():
+                ids = self.draft_ids.to(weight.device)
+                rows = weight.index_select(0, ids)  # [N, H]
+                rows_bias = bias.index_select(0, ids) if bias is not None else None  # [N]
+            self._draft_rows = (key, rows, rows_bias)
+        return self._draft_rows[1], self._draft_rows[2]

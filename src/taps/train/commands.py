@@ -42,6 +42,10 @@ def register(sub) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the vocabulary-sized loss terms into fused kernels (same loss; faster "
                         "steps after a one-off compile; needs a C++ compiler on the CPU)")
+    t.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft over the N most frequent target tokens of the training data (EAGLE-3's reduced "
+                        "vocabulary; the target's stop tokens always included): [.., N] instead of [.., V] LM-head "
+                        "terms; default: the full vocabulary")
     t.add_argument("--training-data", default="", help="a label recorded in the drafter's config")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
     t.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
@@ -68,7 +72,7 @@ def _train(args) -> int:
                       grad_accum=args.grad_accum, warmup_steps=args.warmup_steps, max_len=args.max_len,
                       hass_topk=args.hass_topk, hass_steps=args.hass_steps, noise_width=args.noise_width,
                       seed=args.seed, checkpoint_steps=args.checkpoint_steps, mixed_precision=args.mixed_precision,
-                      compile_loss=args.compile, training_data=args.training_data)
+                      compile_loss=args.compile, training_data=args.training_data, draft_vocab=args.draft_vocab)
     from accelerate import PartialState
 
     out = train_drafter(args.target, args.features, args.out, cfg, resume=args.resume,

@@ -224,7 +224,7 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
                       warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision,
-                      compile_loss=recipe.compile_loss)
+                      compile_loss=recipe.compile_loss, draft_vocab=recipe.draft_vocab)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
     # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
     # (cpu=False is accelerate's default, so CPU-only machines see no difference)
@@ -246,6 +246,9 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     entry = {"records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
              "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
              "timed_from_step": trainer.timed_from_step, "final": epochs[-1] if epochs else {}}
+    vocab = getattr(trainer, "draft_vocab", None)
+    if vocab is not None:
+        entry["draft_vocab"] = {"size": int(vocab.ids.numel()), "coverage": round(vocab.coverage, 6)}
     _record(out, recipe, name, entry)
     log(f"{name}: {entry['final']}")
 

@@ -34,6 +34,14 @@ teacher-forced tokens, the query at t in step j therefore sees
 (tests/test_losses.py checks it against the decoder's own functions). The authors' HASS code
 fills masked logits with 0 instead of -inf in these steps, i.e. applies no causal mask there;
 this module does not.
+
+Draft vocabulary (a head with `draft_ids`, drafter/head.py; EAGLE-3's reduced vocabulary). Every
+vocabulary-sized term runs over the N draft tokens: q is the target's distribution restricted to
+them and renormalised (softmax of the target's logits over those N rows), the head's log-softmax
+is over N, and HASS's top-K is taken in draft index space. So the [.., V] matmuls and passes
+become [.., N]. The top-1 metric stays honest: the head's argmax, mapped to a target id, against
+the target's argmax over its FULL vocabulary (one [P, V] matmul, only when top1 is computed, i.e.
+in evaluation); a target argmax outside the draft vocabulary is a miss.
 """
 
 from __future__ import annotations
@@ -222,9 +230,21 @@ def add_uniform_noise(features: Tensor, width: float, generator: torch.Generator
 
 
 @torch.no_grad()
-def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H] -> [..., V]
-    """softmax(lm_head(true feature)): the target's own next-token distribution, a constant."""
+def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H] -> [..., V] (or [..., N])
+    """softmax(lm_head(true feature)): the target's own next-token distribution, a constant. With
+    a draft vocabulary, over its N tokens only, renormalised (the head's logits use the same rows)."""
     return torch.softmax(head.logits(targets).float(), dim=-1)
+
+
+@torch.no_grad()
+def target_argmax(head: EagleHead, targets: Tensor, q: Tensor) -> Tensor:  # [P, H], [P, V|N] -> [P] target ids
+    """The target's greedy next token at each true feature: argmax q, or with a draft vocabulary
+    the argmax of the target's FULL LM head (q covers only the draft tokens, and a target token
+    the head cannot propose must count as a miss, not be hidden)."""
+    if head.draft_ids is None:
+        return q.argmax(-1)  # [P]
+    _, lm_head = head.shared
+    return lm_head(targets).argmax(-1)  # [P] over all V
 
 
 def soft_target_terms(logits: Tensor, q: Tensor, top_q: Tensor | None, top_x: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -256,7 +276,8 @@ def _soft_terms(compiled: bool):
 
 def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
                topk: int | None, q_top: tuple[Tensor, Tensor] | None = None,
-               q_argmax: Tensor | None = None, top1: bool = True, compiled: bool = False) -> StepLoss:
+               q_argmax: Tensor | None = None, top1: bool = True, compiled: bool = False,
+               draft_ids: Tensor | None = None) -> StepLoss:
     """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
     as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
     (even inf) there cannot leak into the mean.
@@ -266,7 +287,9 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     weight [B, T] bool; topk None means no distillation term. q_top (values, indices of q's top-K)
     and q_argmax depend on q only: HASS computes them once for all its steps. top1=False leaves
     the agreement metric NaN (it does not enter the loss). compiled: the vocabulary-sized terms
-    through torch.compile (Eagle2Config.compile).
+    through torch.compile (Eagle2Config.compile). draft_ids [N]: logits and q are over a draft
+    vocabulary; the head's argmax is mapped to a target id and compared with q_argmax, which must
+    then be given in target ids (target_argmax).
     """
     count = weight.sum()  # []
     denom = count.clamp(min=1).float()  # []
@@ -281,7 +304,10 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     token, per_distill = _soft_terms(compiled)(logits, q, top_q, top_x)  # [B, T] x2
     distill = torch.zeros((), device=logits.device) if topk is None else mean(per_distill)  # []
     if top1:
-        agree = mean((logits.argmax(-1) == (q.argmax(-1) if q_argmax is None else q_argmax)).float()).detach()  # []
+        if draft_ids is not None and q_argmax is None:
+            raise ValueError("step_terms over a draft vocabulary needs q_argmax in target ids (target_argmax)")
+        guess = logits.argmax(-1) if draft_ids is None else draft_ids[logits.argmax(-1)]  # [B, T] target ids
+        agree = mean((guess == (q.argmax(-1) if q_argmax is None else q_argmax)).float()).detach()  # []
     else:
         agree = torch.full((), float("nan"), device=logits.device)  # []
     return StepLoss(feature=mean(feature), token=mean(token), distill=distill, top1=agree, count=count.detach())
@@ -303,10 +329,12 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     mask = causal_block_mask(t, 0, features.dtype, features.device).expand(b, 1, t, t)  # [B, 1, T-1, T-1]
     predicted = head(pairs.tokens, features, pairs.positions, mask)  # [B, T-1, H]
     w = pairs.weight  # [B, T-1]: the LM head (the dominant cost at small hidden sizes) runs only where a loss is taken
-    q = target_distribution(head, pairs.targets[w])  # [P, V]
+    targets = pairs.targets[w]  # [P, H]
+    q = target_distribution(head, targets)  # [P, V] (or [P, N])
+    q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
     picked = predicted[w]  # [P, H]
-    step = step_terms(picked, head.logits(picked), pairs.targets[w], q, torch.ones_like(w[w]), None, top1=cfg.top1,
-                      compiled=cfg.compile)
+    step = step_terms(picked, head.logits(picked), targets, q, torch.ones_like(w[w]), None, q_argmax=q_argmax,
+                      top1=cfg.top1, compiled=cfg.compile, draft_ids=head.draft_ids)
     return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
 
 
@@ -359,14 +387,14 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     features = add_uniform_noise(pairs.features, cfg.noise_width, generator, noise)  # [B, T-1, H]
     outputs = aligned_outputs(head, pairs.tokens, features, pairs.positions, cfg.steps)
     w = pairs.weight  # [B, T-1]: logits only where step 1 takes a loss; later steps take subsets of those
-    q = target_distribution(head, pairs.targets[w])  # [P, V]
     targets = pairs.targets[w]  # [P, H]
+    q = target_distribution(head, targets)  # [P, V] (or [P, N])
     t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
-    q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step
-    q_argmax = q.argmax(-1) if cfg.top1 else None  # [P]
+    q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step (draft indices with a draft vocabulary)
+    q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
     terms = tuple(
         step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax, cfg.top1,
-                   cfg.compile)
+                   cfg.compile, head.draft_ids)
         for j, out in enumerate(outputs, start=1)
     )
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)

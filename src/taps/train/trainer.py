@@ -11,10 +11,17 @@ Determinism and resume: the epoch order, the batches and the noise are pure func
 seed and the global step, so a run resumed from any checkpoint ends at the same weights as an
 uninterrupted one. A checkpoint holds the head in the DESIGN.md layout, the optimizer and the
 RNG (train/state.py); one is written at the end of every epoch (and every --checkpoint-steps).
+
+Draft vocabulary (--draft-vocab N): the head drafts over the N most frequent loss tokens of the
+training records (train/draft_vocab.py; the target's stop tokens always included), chosen once
+before the first step, deterministically, so a resumed run chooses the same; its loss terms run
+over those N tokens (train/losses.py). The mapping is saved with the head (d2t / t2d), and a
+resume under another draft vocabulary is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -25,6 +32,7 @@ import torch
 
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
+from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
 from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -56,6 +64,7 @@ class TrainConfig:
     mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
     compile_loss: bool = False  # torch.compile the vocabulary-sized loss terms (losses.Eagle2Config.compile)
     training_data: str = ""
+    draft_vocab: int | None = None  # draft over the N most frequent training tokens (None: the full vocabulary)
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:
@@ -63,6 +72,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (or None for the full vocabulary), got {self.draft_vocab}")
 
     def loss_config(self, noise: bool = True, depths: int | None = None):
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
@@ -141,6 +152,11 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.head = init_head(target.model.config, seed=cfg.seed).to(self.acc.device)
         self.head.bind(target.embed_tokens, target.lm_head)
+        self.draft_vocab: DraftVocab | None = None
+        if cfg.draft_vocab is not None:
+            self.draft_vocab = choose_draft_vocab(self.shards, target.vocab_size, cfg.draft_vocab, self.train_idx,
+                                                  cfg.max_len, always=target.stop_token_ids())
+            self.head.set_draft_vocab(self.draft_vocab.ids)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         # wall time of fit() summed over resumed runs, and the step it was first counted from
@@ -190,12 +206,20 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def info(self) -> DrafterInfo:
+        extra = {"train_config": asdict(self.cfg), "steps": self.step, "features": self.shards.description,
+                 "train_seconds": round(self.train_seconds, 1), "timed_from_step": self.timed_from_step}
+        if self.draft_vocab is not None:
+            extra["draft_vocab_coverage"] = round(self.draft_vocab.coverage, 6)
         return DrafterInfo(backbone=self.cfg.backbone, training_data=self.cfg.training_data,
                            target_name=self.target.name,
                            tokenizer_fingerprint=self.target.fingerprint(),
-                           extra={"train_config": asdict(self.cfg), "steps": self.step,
-                                  "features": self.shards.description,
-                                  "train_seconds": round(self.train_seconds, 1), "timed_from_step": self.timed_from_step})
+                           extra=extra)
+
+    def _draft_vocab_state(self) -> dict:
+        """What a resume must find unchanged: the draft vocabulary's size and a digest of its ids."""
+        ids = self.draft_vocab.ids if self.draft_vocab is not None else None
+        digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] if ids is not None else None
+        return {"draft_vocab": self.cfg.draft_vocab, "draft_vocab_digest": digest}
 
     def resume(self) -> bool:
         ckpt = latest_checkpoint(self.out / "ckpt")
@@ -209,13 +233,18 @@ class Trainer:
         if extra.get("global_batch") != self.global_batch:
             raise TrainingError(f"{ckpt}: saved with global batch {extra.get('global_batch')}, this run "
                                 f"has {self.global_batch}; resume with the same batch layout")
+        for key, ours in self._draft_vocab_state().items():  # a checkpoint without them: full vocabulary
+            if extra.get(key) != ours:
+                raise TrainingError(f"{ckpt}: saved with {key} {extra.get(key)}, this run has {ours}; resume with "
+                                    "the same --draft-vocab (and the same training features)")
         return True
 
     def _save(self, metrics: dict) -> None:
         if self.acc.is_main_process:
             save_checkpoint(self.out / "ckpt", self.step, self.head, self.optimizer,
                             extra={"global_batch": self.global_batch, "metrics": metrics,
-                                   "train_seconds": self.train_seconds, "timed_from_step": self.timed_from_step})
+                                   "train_seconds": self.train_seconds, "timed_from_step": self.timed_from_step,
+                                   **self._draft_vocab_state()})
             save_head(self.head, self.out / "ckpt" / f"step-{self.step:06d}" / "head", self.info())
         self.acc.wait_for_everyone()
 
