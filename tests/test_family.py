@@ -126,13 +126,15 @@ def test_only_the_domains_the_pending_heads_need_are_prepared(tmp_path, data_dir
 
     recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
                            n_per_domain=8, max_len=160, epochs=1, batch_size=4, warmup_steps=1,
-                           backbones=("eagle2",), domains=("math",), draft_vocab=40)
+                           backbones=("eagle2",), domains=("math",), draft_vocab=40, keep_epoch_heads=True)
     summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
     assert (tmp_path / "work" / "features-math").is_dir() and not (tmp_path / "work" / "chat.jsonl").exists()
     vocab = summary["drafters"]["eagle2-math"]["draft_vocab"]  # the heads draft over 40 tokens of their data
     assert vocab["size"] == 40 and 0.5 < vocab["coverage"] <= 1.0
     config = json.loads((tmp_path / "drafters" / "eagle2-math" / "config.json").read_text())
     assert config["draft_vocab_size"] == 40
+    epoch_head = tmp_path / "work" / "train-eagle2-math" / "epochs" / "epoch-01"
+    assert (epoch_head / "model.safetensors").is_file()  # every epoch's head, for learning curves
     build_drafters(replace(recipe, domains=("math", "mixed-small")), target_dir, tmp_path / "drafters",
                    tmp_path / "work")
     assert (tmp_path / "work" / "features-chat").is_dir()

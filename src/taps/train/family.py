@@ -57,6 +57,7 @@ class DrafterRecipe:
     regen_max_prompt_tokens: int | None = None  # skip records whose first prompt is longer
     regen_temperature: float = 0.0
     draft_vocab: int | None = None  # train each head over the N most frequent tokens of its data (None: all)
+    keep_epoch_heads: bool = False  # keep every epoch's head in the work directory (learning curves)
 
 
 def log(msg: str) -> None:
@@ -224,7 +225,8 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
                       warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision,
-                      compile_loss=recipe.compile_loss, draft_vocab=recipe.draft_vocab)
+                      compile_loss=recipe.compile_loss, draft_vocab=recipe.draft_vocab,
+                      keep_epoch_heads=recipe.keep_epoch_heads)
     run_dir = work / f"train-{name}"  # checkpoints stay in the work directory
     # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
     # (cpu=False is accelerate's default, so CPU-only machines see no difference)

@@ -65,6 +65,7 @@ class TrainConfig:
     compile_loss: bool = False  # torch.compile the vocabulary-sized loss terms (losses.Eagle2Config.compile)
     training_data: str = ""
     draft_vocab: int | None = None  # draft over the N most frequent training tokens (None: the full vocabulary)
+    keep_epoch_heads: bool = False  # also write each epoch's head to OUT/epochs/epoch-NN (learning curves)
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:
@@ -327,6 +328,8 @@ class Trainer:
                                                                     if k not in ("epoch", "step")))
             if end_of_epoch or (self.cfg.checkpoint_steps and self.step % self.cfg.checkpoint_steps == 0):
                 self._save(last)
+            if end_of_epoch and self.cfg.keep_epoch_heads and self.acc.is_main_process:
+                save_head(self.head, self.out / "epochs" / f"epoch-{self.step // self.steps_per_epoch:02d}", self.info())
         bar.close()
         if log:
             log.close()
