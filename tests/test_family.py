@@ -157,3 +157,23 @@ def test_shipped_heads_are_16_bit_and_load_strictly(tmp_path, data_dir, target_d
     target = Target.load(target_dir, device="cpu", dtype="float32")
     head, info = load_head(tmp_path / "ship" / "eagle2-math", target)
     assert info.backbone == "eagle2" and head.fc.weight.dtype == torch.float32
+
+
+def test_card_tables_quote_what_the_build_wrote(tmp_path, data_dir, target_dir):
+    from taps.train.family import DrafterRecipe, build_drafters
+    from taps.train.family_card import data_table, epochs_table, heads_table
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=8, max_len=160, epochs=2, batch_size=4, warmup_steps=1,
+                           backbones=("eagle2",), domains=("math",), regenerate=True, regen_batch_size=4,
+                           regen_max_new_tokens=5, draft_vocab=40)
+    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    data = data_table(tmp_path / "work").splitlines()
+    manifest = json.loads((tmp_path / "work" / "features-math" / "manifest.json").read_text())
+    assert data[2].startswith("| math | 8 | 8 |") and f"| {manifest['tokens']:,} |" in data[2]
+    heads = heads_table(tmp_path / "drafters").splitlines()
+    entry = summary["drafters"]["eagle2-math"]
+    assert heads[2].startswith(f"| eagle2-math | {entry['records']} | 2 | {entry['steps']} |")
+    assert f"{entry['final']['heldout_top1_depth1']:.3f}" in heads[2] and "| 40 (" in heads[2]
+    curve = epochs_table(tmp_path / "drafters").splitlines()
+    assert curve[0] == "| head | epoch 1 | epoch 2 |" and curve[2].startswith("| eagle2-math | ")
