@@ -173,3 +173,22 @@ def test_two_processes_under_accelerate_match_one(tmp_path, setup):
     assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
     assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
                                                                                           "records.jsonl"))
+
+
+def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, capsys):
+    """taps eval --jobs 2: two spawned workers, one merge; the same records as one process."""
+    from taps.cli import main
+    from taps.eval.runner import run_eval_jobs
+
+    target_dir, variants, specs = setup
+    run_eval(Target.load(target_dir), str(target_dir), variants[:4], QUESTIONS, tmp_path / "one", SETTINGS,
+             progress=False)
+    total = run_eval_jobs(str(target_dir), "cpu", "float32", variants[:4], QUESTIONS, tmp_path / "two", SETTINGS,
+                          jobs=2, progress=False)
+    assert total == len(read_records(tmp_path / "one" / "records.jsonl"))
+    assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
+    assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
+                                                                                          "records.jsonl"))
+    assert main(["eval", "--target", str(target_dir), "--variant", "base=baseline", "--bench", "gsm8k",
+                 "--out", str(tmp_path / "x"), "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err

@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     p.add_argument("--limit", type=int, help="first N questions of each benchmark")
     p.add_argument("--category", action="append", help="keep only this category (repeat)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes on this machine, each every N-th question "
+                                                       "with its share of the cores (CPUs; for GPUs use "
+                                                       "accelerate launch)")
     add_decode_arguments(p)
     p.set_defaults(func=_eval)
 
@@ -83,8 +86,17 @@ def _eval(args) -> int:
     from taps.eval.benchmarks import load_benchmark, parse_bench_list
     from taps.eval.runner import run_eval
 
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     questions = [q for name in parse_bench_list(args.bench)
                  for q in load_benchmark(name, args.data_dir, limit=args.limit, categories=args.category)]
+    if args.jobs > 1:
+        from taps.eval.runner import run_eval_jobs
+
+        total = run_eval_jobs(args.target, args.device, args.dtype, args.variant, questions, args.out,
+                              settings_from(args), jobs=args.jobs, progress=not args.no_progress)
+        print(f"taps eval: {total} conversations in {args.out} ({args.jobs} worker processes)")
+        return 0
     target = load_target_for_eval(args.target, args.device, args.dtype)
     written = run_eval(target, args.target, args.variant, questions, args.out, settings_from(args),
                        progress=not args.no_progress)
@@ -116,6 +128,7 @@ def register_study(sub) -> None:
     add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPU, fp32 on CPU)")
+    d.add_argument("--jobs", type=int, default=1, help="worker processes (on a CPU: one per core decodes fastest)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
@@ -158,7 +171,7 @@ def _demo(args) -> int:
     tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k,
             **({"mode": "auto"} if args.tree == "auto" else {})}
     study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree,
-                       dtype=args.dtype)
+                       dtype=args.dtype, jobs=args.jobs)
     print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
           f"each, temperature 0, tree {args.tree} {total_tokens}/{depth}/{top_k}) on {study.target}")
     try:

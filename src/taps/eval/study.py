@@ -10,7 +10,7 @@
     variants: {NAME: SPEC, ...}        # taps.eval.variants SPEC strings; "{drafters}" = drafters.out
     eval: {bench: [...], temperatures: [0, 1], limit: N, max_new_tokens: 512, seed: 0,
            tree: {total_tokens: 60, depth: 5, top_k: 10, mode: fixed | auto}, device: auto, dtype: auto,
-           categories: [...]}
+           categories: [...], jobs: 1}      # jobs: worker processes on this machine
 
 Every stage is resumable and skips what is already done, so rerunning a study continues it.
 Unknown keys are errors naming the key, so a typo never silently falls back to a default.
@@ -71,6 +71,7 @@ class Study:
     categories: list[str] | None = None
     device: str = "auto"
     dtype: str = "auto"
+    eval_jobs: int = 1  # evaluation worker processes on this machine (runner.run_eval_jobs)
     source: str = "<dict>"  # where the config came from, for messages
 
     @property
@@ -207,7 +208,10 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     if "path" not in target or "out" not in drafters:
         raise StudyConfigError(f"{source}: target.path and drafters.out are required")
     ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
-                                                          "tree", "top_p", "device", "dtype", "categories"})
+                                                          "tree", "top_p", "device", "dtype", "categories", "jobs"})
+    eval_jobs = ev.get("jobs", 1)
+    if not isinstance(eval_jobs, int) or isinstance(eval_jobs, bool) or eval_jobs < 1:
+        raise StudyConfigError(f"{source}: eval.jobs must be an integer >= 1, got {eval_jobs!r}")
     tree = dict(_check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"}))
     mode = tree.pop("mode", "fixed")
     if mode not in ("fixed", "auto"):
@@ -234,7 +238,7 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
                  drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
                  drafter_jobs=jobs,
                  limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
-                 dtype=str(ev.get("dtype", "auto")), source=source)
+                 dtype=str(ev.get("dtype", "auto")), eval_jobs=eval_jobs, source=source)
 
 
 def load_study(path: str | Path, data_dir: str | None = None) -> Study:
@@ -315,9 +319,15 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
 
         questions = [q for name in study.benches
                      for q in load_benchmark(name, study.data_dir, limit=study.limit, categories=study.categories)]
-        target = load_target_for_eval(str(study.target), study.device, study.dtype)
-        run_eval(target, str(study.target), study.variants, questions, study.results, study.settings,
-                 progress=progress)
+        if study.eval_jobs > 1:
+            from taps.eval.runner import run_eval_jobs
+
+            run_eval_jobs(str(study.target), study.device, study.dtype, study.variants, questions, study.results,
+                          study.settings, jobs=study.eval_jobs, progress=progress)
+        else:
+            target = load_target_for_eval(str(study.target), study.device, study.dtype)
+            run_eval(target, str(study.target), study.variants, questions, study.results, study.settings,
+                     progress=progress)
     if "report" in stages:
         from taps.eval.report import write_report
 
@@ -336,7 +346,7 @@ def _embedded(models: str | Path) -> Path:
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
                max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75), tree: dict | None = None,
-               dtype: str = "auto") -> Study:
+               dtype: str = "auto", jobs: int = 1) -> Study:
     """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
     on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
@@ -364,6 +374,6 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
-                       "limit": per_bench, "max_new_tokens": max_new_tokens, "dtype": dtype,
+                       "limit": per_bench, "max_new_tokens": max_new_tokens, "dtype": dtype, "jobs": jobs,
                        **({"tree": dict(tree)} if tree else {})}}
     return study_from_dict(config, "taps demo", data_dir)
