@@ -108,34 +108,34 @@ class AutoTree:
     calibration: Calibration = field(default_factory=Calibration)
     chosen: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, tree tokens) per step
 
-    def _best(self, scores: Tensor, levels: int, max_tokens: int | None = None) -> tuple[float, int]:
-        """(best expected tokens per ms, its node count) over prefixes of the nodes sorted by score,
-        at most max_tokens - 1 nodes."""
+    def _best(self, scores: Tensor, levels: int, max_tokens: int | None = None) -> tuple[float, int, float]:
+        """(best expected tokens per ms, its node count, its expected tokens) over prefixes of the
+        nodes sorted by score, at most max_tokens - 1 nodes."""
+        ordered = scores.sort(descending=True).values
         if max_tokens is not None:
-            scores = scores.sort(descending=True).values[:max(max_tokens - 1, 0)]
-        if scores.numel() == 0:
-            return 1.0 / (self.costs.fixed_ms + levels * self.costs.level(self.top_k) + self.costs.verify(1)), 0
-        gain = self.calibration(scores.sort(descending=True).values.exp())  # [N] expected acceptance, best first
-        expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
+            ordered = ordered[:max(max_tokens - 1, 0)]
         draft = self.costs.fixed_ms + levels * self.costs.level(self.top_k)
+        if ordered.numel() == 0:
+            return 1.0 / (draft + self.costs.verify(1)), 0, 1.0
+        gain = self.calibration(ordered.exp())  # [N] expected acceptance, best first
+        expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
         times = torch.tensor([draft + self.costs.verify(n + 1) for n in range(expected.numel())], dtype=gain.dtype)
         rates = expected / times  # [N + 1]
         best = int(rates.argmax())
-        return float(rates[best]), best
+        return float(rates[best]), best, float(expected[best])
 
     def go_deeper(self, scores: Tensor, beam_scores: Tensor, levels: int) -> bool:
         """Whether one more level could beat the best tree of the `levels` drafted so far: its
         nodes add at most the beams' own expected acceptance, for one more level's cost."""
-        rate, nodes = self._best(scores, levels)
-        gain = self.calibration(scores.sort(descending=True).values[:nodes].exp()).sum() if nodes else 0.0
-        bound = float(1.0 + gain + self.calibration(beam_scores.exp()).sum())
+        rate, nodes, expected = self._best(scores, levels)
+        bound = expected + float(self.calibration(beam_scores.exp()).sum())
         time = self.costs.fixed_ms + (levels + 1) * self.costs.level(self.top_k) + \
             self.costs.verify(nodes + 1 + beam_scores.numel())
         return bound / time > rate
 
     def tree_tokens(self, scores: Tensor, levels: int, max_tokens: int) -> int:
         """Tree size (root included) to verify: the best prefix of the nodes sorted by score."""
-        _, nodes = self._best(scores, levels, max_tokens)
+        _, nodes, _ = self._best(scores, levels, max_tokens)
         self.chosen.append((levels, nodes + 1))
         return nodes + 1
 
