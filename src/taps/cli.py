@@ -126,7 +126,7 @@ def _add_drafter(sub) -> None:
     reduce.add_argument("--drafter", required=True, help="drafter directory to copy (weights unchanged)")
     reduce.add_argument("--features", required=True, metavar="DIR[,DIR...]",
                         help="features directories whose assistant tokens are counted (DIR:LIMIT: first LIMIT records)")
-    reduce.add_argument("--size", required=True, type=positive_int, metavar="N", help="draft vocabulary size, 1..V")
+    reduce.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size, 1..V")
     reduce.add_argument("--out", required=True, help="output drafter directory")
     reduce.set_defaults(func=_drafter_reduce_vocab)
 
@@ -179,8 +179,8 @@ def _add_profile(sub) -> None:
                                        "a draft level per beam count (cached)")
     p.add_argument("--target", required=True, help="model directory, .gguf file or known name")
     p.add_argument("--drafter", help="drafter directory: also time its draft levels")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds; each figure is their median")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is their median")
     p.add_argument("--measure", action="store_true", help="measure again even if a cached profile exists")
     add_device_arguments(p)
     p.set_defaults(func=_profile)

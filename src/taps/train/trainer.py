@@ -80,6 +80,12 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.noise_width < 0:
+            raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1 (or None for the full vocabulary), got {self.draft_vocab}")
 
