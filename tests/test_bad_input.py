@@ -334,3 +334,16 @@ def test_two_writers_in_one_process_are_refused_too(tmp_path):
     with output_lock(tmp_path, "results"):  # released: free again
         pass
 
+
+
+def test_settings_that_cannot_change_the_content_do_not_block_a_resume(ws, tmp_path, capsys):
+    shutil.copytree(ws / "run", tmp_path / "run", ignore=shutil.ignore_patterns(".taps.lock"))
+    train = [a.replace("{ws}", str(ws)) for a in opts(TRAIN, out=str(tmp_path / "run"))]
+    assert main(train + ["--resume", "--checkpoint-steps", "1"]) == 0  # the checkpoint interval is not content
+    feat = [a.replace("{ws}", str(ws)) for a in opts(FEAT, out=str(ws / "feat"))]
+    before = snapshot(ws)
+    assert main(feat + ["--records-per-shard", "3", "--tokens-per-batch", "64"]) == 0  # finished: only read
+    eval_argv = [a.replace("{ws}", str(ws)) for a in opts(EVAL, out=str(ws / "results"))]
+    eval_argv.remove("--no-progress")
+    assert main(eval_argv) == 0  # with a progress bar this time: nothing left to decode
+    assert snapshot(ws) == before
