@@ -286,17 +286,17 @@ def test_resuming_directories_written_before_identities_were_recorded(ws, tmp_pa
 
     assert main(["features", "--target", t, "--data", str(ws / "data.jsonl"), "--out", str(feat), "--dtype", "fp32",
                  "--device", "cpu", "--target-dtype", "float32"]) == 0
-    assert "made before target_weights, target_dtype was recorded" in capsys.readouterr().err
+    assert "made before target_weights, target_dtype were recorded" in capsys.readouterr().err
     assert json.loads((feat / "manifest.json").read_text())["target_weights"].startswith("sha256:")
 
     eval_argv = [a.replace("{ws}", str(ws)) for a in EVAL] + ["--out", str(results)]
     assert main(eval_argv) == 0
-    assert "was recorded" in capsys.readouterr().err
+    assert "were recorded" in capsys.readouterr().err
     assert "target_weights" in json.loads((results / "run.json").read_text())
 
     assert main([a.replace("{ws}", str(ws)) for a in opts(TRAIN, epochs="2", out=str(run))] + ["--resume"]) == 0
     err = capsys.readouterr().err
-    assert "made before backbone" in err and "was recorded" in err
+    assert "made before backbone" in err and "were recorded" in err
     latest = sorted((run / "ckpt").glob("step-*"))[-1]
     assert json.loads((latest / "state.json").read_text())["extra"]["run_settings"]["backbone"] == "eagle2"
 

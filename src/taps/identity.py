@@ -103,6 +103,6 @@ def check_same(where: str | Path, saved: dict, ours: dict, keys, hint: str) -> l
             raise MismatchError(f"{where}: made with {key} = {saved[key]!r}, this run has {ours.get(key)!r}; {hint}",
                                 key)
     if missing:
-        print(f"taps: warning: {where}: made before {', '.join(missing)} was recorded; not checked, recorded "
-              "from now on", file=sys.stderr)
+        print(f"taps: warning: {where}: made before {', '.join(missing)} {'was' if len(missing) == 1 else 'were'} "
+              "recorded; not checked, recorded from now on", file=sys.stderr)
     return missing
