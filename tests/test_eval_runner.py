@@ -189,6 +189,8 @@ def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, caps
     assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
     assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
                                                                                           "records.jsonl"))
-    assert main(["eval", "--target", str(target_dir), "--variant", "base=baseline", "--bench", "gsm8k",
-                 "--out", str(tmp_path / "x"), "--jobs", "0"]) == 2
-    assert "--jobs must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # refused when parsed, before any worker starts
+        main(["eval", "--target", str(target_dir), "--variant", "base=baseline", "--bench", "gsm8k",
+              "--out", str(tmp_path / "x"), "--jobs", "0"])
+    assert stop.value.code == 2
+    assert "argument --jobs: expected an integer >= 1, got 0" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from taps.cli_args import add_device_arguments, add_tree_arguments, tree_shape
+from taps.cli_args import add_device_arguments, add_tree_arguments, positive_int, tree_shape
 
 
 def _ids(text: str) -> list[int]:
@@ -29,7 +29,7 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
     p.add_argument("--raw", action="store_true", help="tokenize --prompt as plain text, no chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
@@ -65,7 +65,7 @@ def _generate(args) -> int:
     if args.prompt_ids is not None:
         prompt = args.prompt_ids
     elif tok is None:
-        raise SystemExit(f"error: {args.target} has no tokenizer; use --prompt-ids")
+        raise ValueError(f"{args.target} has no tokenizer; use --prompt-ids")
     elif args.raw:
         prompt = tok(args.prompt)["input_ids"]
     else:
@@ -216,8 +216,16 @@ def _profile(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="taps", description="Task-aware speculative decoding.")
+    parser = _Parser(prog="taps", description="Task-aware speculative decoding.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (also TAPS_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_drafter(sub)
@@ -242,16 +250,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from taps.decode import ContextWindowError
-    from taps.drafter.checkpoint import CheckpointError
-    from taps.train.trainer import TrainingError
+    """Run one command. A user's mistake (a missing, unreadable or corrupt file, a bad option value,
+    an unusable output path, a resume of another run, a busy output) exits with code 2 and one
+    line naming the culprit; anything else is a bug and keeps its traceback. With --debug or
+    TAPS_DEBUG=1 every error shows its traceback."""
+    import os
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 reach Python as lone surrogates
+            print(f"taps: error: the argument {arg.encode('utf-8', 'replace').decode()!r} is not UTF-8 text",
+                  file=sys.stderr)
+            return 2
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("TAPS_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
-    except (CheckpointError, ContextWindowError, TrainingError, FileNotFoundError, ValueError) as err:
-        print(f"taps {args.command}: error: {err}", file=sys.stderr)
+    except _user_errors() as err:
+        if debug:
+            raise
+        print(f"taps {args.command}: error: {user_message(err)}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean a user's mistake, not a bug (imported lazily: torch is slow to load)."""
+    from safetensors import SafetensorError
+
+    from taps.decode import ContextWindowError
+    from taps.drafter.checkpoint import CheckpointError
+    from taps.outlock import OutputBusyError
+    from taps.train.trainer import TrainingError
+
+    return (CheckpointError, ContextWindowError, TrainingError, OutputBusyError, OSError, ValueError,
+            SafetensorError)
+
+
+def user_message(err: BaseException) -> str:
+    """One line: an OSError names its file and what went wrong; the others carry their own message."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        text = f"{err.filename}: {err.strerror}"
+        if isinstance(err, (FileExistsError, NotADirectoryError)):
+            text += " (expected a directory, or a path that does not exist yet)"
+        elif isinstance(err, PermissionError):
+            text += " (expected a path this user can write)"
+    else:
+        from safetensors import SafetensorError
+
+        text = str(err) if not isinstance(err, SafetensorError) else f"corrupt safetensors file ({err})"
+    return " ".join(text.split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ AUTO_TREE_CAPS = (96, 8, 8)  # --tree auto: the largest tree it may choose
 def add_tree_arguments(p, auto: bool = False) -> None:
     """The EAGLE-2 tree shape (SPEC §2); defaults are the paper's 60/5/10. With `auto`, also
     `--tree fixed|auto`: auto chooses depth and size per step (the shape options become caps)."""
-    p.add_argument("--total-tokens", type=int, default=None, help="tree budget, root included (default 60; "
+    p.add_argument("--total-tokens", type=positive_int, default=None, help="tree budget, root included (default 60; "
                                                                   "--tree auto: the cap, default 96)")
-    p.add_argument("--depth", type=int, default=None, help="draft levels below the root (default 5; auto: 8)")
-    p.add_argument("--top-k", type=int, default=None, help="tree beam width / branching (default 10; auto: 8)")
+    p.add_argument("--depth", type=positive_int, default=None, help="draft levels below the root (default 5; auto: 8)")
+    p.add_argument("--top-k", type=positive_int, default=None, help="tree beam width / branching (default 10; auto: 8)")
     if auto:
         p.add_argument("--tree", choices=["fixed", "auto"], default="fixed",
                        help="fixed: the shape above every step; auto: per step, the depth and size that maximise "
@@ -28,11 +28,38 @@ def tree_shape(args) -> tuple[int, int, int]:
     """(total_tokens, depth, top_k) from the options, with the defaults of the chosen tree mode."""
     defaults = AUTO_TREE_CAPS if getattr(args, "tree", "fixed") == "auto" else FIXED_TREE
     given = (args.total_tokens, args.depth, args.top_k)
-    return tuple(d if g is None else g for g, d in zip(given, defaults))
+    total, depth, top_k = (d if g is None else g for g, d in zip(given, defaults))
+    if depth >= total:  # the tree holds the root plus at most total - 1 nodes, one per level at the least
+        raise ValueError(f"--depth {depth} needs --total-tokens above it (root + one node per level); "
+                         f"got --total-tokens {total}")
+    return total, depth, top_k
+
+
+DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
+
+
+def device_arg(text: str) -> str:
+    """--device: checked when parsed, so a typo fails before any model loads or worker starts."""
+    import re
+
+    if not re.fullmatch(DEVICE_PATTERN, text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {text!r}")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes, lengths: 0 or a negative number is a mistake, not 'none')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def add_device_arguments(p) -> None:
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
+    p.add_argument("--device", type=device_arg, default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bf16 on GPU, fp32 on CPU")
 
 

@@ -17,6 +17,23 @@ class JsonlFormatError(ValueError):
     pass
 
 
+def decode_utf8(data: bytes, path: str | Path) -> str:
+    """Bytes of a text file as str (a UTF-8 BOM dropped); bytes that are not UTF-8 are an error
+    naming the file, line and column, not a bare UnicodeDecodeError."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise JsonlFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column}); "
+                               "expected a UTF-8 file") from None
+
+
+def text_lines(path: str | Path) -> list[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file (see decode_utf8)."""
+    return list(enumerate(decode_utf8(Path(path).read_bytes(), path).splitlines(), 1))
+
+
 def read_jsonl(path: str | Path, repair_torn: bool = False) -> tuple[list[tuple[int, dict]], bool]:
     """(line number, object) for every complete line, and whether a torn last line was found.
 
@@ -36,7 +53,10 @@ def read_jsonl(path: str | Path, repair_torn: bool = False) -> tuple[list[tuple[
             continue
         try:
             obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
+            raise JsonlFormatError(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                                   f"{err.start + 1}); expected a UTF-8 file") from None
+        except json.JSONDecodeError as err:
             raise JsonlFormatError(f"{path}: line {lineno} is not valid JSON ({err})") from None
         if not isinstance(obj, dict):
             raise JsonlFormatError(f"{path}: line {lineno} is a JSON {type(obj).__name__}, expected an object")

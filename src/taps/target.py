@@ -35,6 +35,12 @@ class TargetOut:
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import re
+
+    from taps.cli_args import DEVICE_PATTERN
+
+    if not re.fullmatch(DEVICE_PATTERN, device):
+        raise ValueError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} was asked for, but no CUDA device is available")
     return torch.device(device)
@@ -72,6 +78,8 @@ class Target:
         self.cache = kv.new_cache()
         self._tree_start: int | None = None
         self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
+        self.source_dir: Path | None = None  # the model directory Target.load read (a GGUF's cached conversion)
+        self._weights: str | None = None
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -101,6 +109,9 @@ class Target:
                 f"{path} has no *.safetensors weights; TAPS loads safetensors only (no pickle). "
                 "Convert the checkpoint with `save_pretrained(..., safe_serialization=True)`."
             )
+        from taps.identity import weights_identity
+
+        weights = weights_identity(path)  # also refuses a truncated or corrupt weights file, naming it
         dev = resolve_device(device)
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -112,7 +123,7 @@ class Target:
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if has_tokenizer else None
         target = cls(model, tokenizer)
-        target.name = name
+        target.name, target.source_dir, target._weights = name, path, weights
         return target
 
     # ---- facts -----------------------------------------------------------------------------
@@ -151,6 +162,16 @@ class Target:
 
     def fingerprint(self) -> str | None:
         return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+
+    def identity(self) -> dict[str, str]:
+        """What this target's outputs depend on, by content (taps.identity): `target_weights`, a
+        digest of its config and weights (not its tokenizer: a base model and its instruct version
+        share one), and `target_dtype`, the dtype it runs in."""
+        if self._weights is None:
+            from taps.identity import tensors_identity
+
+            self._weights = tensors_identity(self.model)
+        return {"target_weights": self._weights, "target_dtype": str(self.dtype).removeprefix("torch.")}
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """EOS ids of the generation config and tokenizer, plus the chat template's end-of-turn tokens."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from taps.cli_args import device_arg, positive_int
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
 
 
@@ -27,17 +28,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     regen.add_argument("--out", required=True, help="output JSONL; a rerun skips the records already in it")
     regen.add_argument("--drafter", help="optional drafter directory: regenerate with lossless speculative decoding")
-    regen.add_argument("--max-new-tokens", type=int, default=512)
+    regen.add_argument("--max-new-tokens", type=positive_int, default=512)
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--top-p", type=float, default=1.0)
     regen.add_argument("--seed", type=int, default=0)
-    regen.add_argument("--batch-size", type=int, default=1,
+    regen.add_argument("--batch-size", type=positive_int, default=1,
                        help="answer B records at a time with transformers' generate (left padding; no --drafter); "
                             "an order of magnitude faster on a CPU at B = 32-64")
-    regen.add_argument("--max-turns", type=int, help="keep the first K user turns of each conversation")
-    regen.add_argument("--max-prompt-tokens", type=int,
+    regen.add_argument("--max-turns", type=positive_int, help="keep the first K user turns of each conversation")
+    regen.add_argument("--max-prompt-tokens", type=positive_int,
                        help="skip records whose first prompt (chat template included) is longer; they are counted")
-    regen.add_argument("--device", default="auto")
+    regen.add_argument("--device", type=device_arg, default="auto")
     regen.add_argument("--dtype", default="auto")
     regen.set_defaults(func=_regenerate)
 

@@ -29,6 +29,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from taps.data.chat import encode_conversation
+from taps.identity import MismatchError, check_same
+from taps.outlock import output_lock
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -42,19 +44,22 @@ class FeaturesError(ValueError):
 
 def read_records(path: str | Path) -> list[dict]:
     """Our normalised JSONL ({"id", "source", "conversations": [{"role", "content"}]}), one per line."""
+    from taps.jsonl import text_lines
+
     path = Path(path)
     records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise FeaturesError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
-                raise FeaturesError(f"{path}:{lineno}: expected an object with a 'conversations' list")
-            records.append(record)
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise FeaturesError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+            raise FeaturesError(f"{path}:{lineno}: expected an object with a 'conversations' list")
+        records.append(record)
+    if not records:
+        raise FeaturesError(f"{path}: no records (an empty file); expected one JSON record per line")
     return records
 
 
@@ -79,10 +84,20 @@ class FeatureSettings:
     records_per_shard: int = 512
     tokens_per_batch: int = 8192  # padded tokens per target forward
 
+    def __post_init__(self) -> None:
+        for name in ("max_len", "records_per_shard", "tokens_per_batch"):
+            if getattr(self, name) < 1:
+                raise FeaturesError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# what a features directory's content depends on: a resume with any other value is refused
+CONTENT_KEYS = ("tokenizer_fingerprint", "target_weights", "target_dtype", "hidden_size", "max_len", "dtype",
+                "data_digest")
+
 
 def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_records: int) -> dict:
     fresh = {"format_version": FORMAT_VERSION, "tokenizer_fingerprint": target.fingerprint(),
-             "target_name": target.name, "hidden_size": target.hidden_size,
+             "target_name": target.name, **target.identity(), "hidden_size": target.hidden_size,
              "dtype": settings.dtype, "max_len": settings.max_len, "data_file": str(data),
              "data_digest": file_digest(data), "records_total": n_records, "records_done": 0, "tokens": 0,
              "assistant_tokens": 0, "truncated_records": 0, "sources": {}, "shards": [], "complete": False}
@@ -91,11 +106,28 @@ def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_r
         if any(out.glob("shard-*.safetensors")):
             raise FeaturesError(f"{out} holds shards but no {MANIFEST}: refusing to mix; use an empty directory")
         return fresh
-    manifest = json.loads(path.read_text())
-    for key in ("tokenizer_fingerprint", "hidden_size", "max_len", "dtype", "data_digest"):
-        if manifest.get(key) != fresh[key]:
-            raise FeaturesError(f"{path}: {key} is {manifest.get(key)!r} but this run has {fresh[key]!r}; "
-                                "these shards belong to another target or data set: use another --out")
+    manifest = read_manifest(path)
+    try:
+        missing = check_same(path, manifest, fresh, CONTENT_KEYS,
+                             "these shards belong to another target or data set: use another --out")
+    except MismatchError as err:
+        raise FeaturesError(str(err)) from None
+    if missing:  # a manifest written before they were recorded: record them from now on
+        manifest.update({k: fresh[k] for k in missing})
+        try:
+            _write_json_atomic(path, manifest)
+        except OSError:
+            pass  # a read-only features directory is still readable
+    return manifest
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise FeaturesError(f"{path}: not a valid features manifest ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise FeaturesError(f"{path}: not a features manifest (expected an object with a 'shards' list)")
     return manifest
 
 
@@ -108,7 +140,18 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
         raise FeaturesError(f"unknown dtype {settings.dtype!r}; expected one of {', '.join(_DTYPES)}")
     data, out = Path(data), Path(out)
     records = read_records(data)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise FeaturesError(f"--out {out}: is a file; expected a features directory")
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file():  # a finished directory is only read: several processes may share it
+        manifest = _open_manifest(out, target, data, settings, len(records))
+        if manifest.get("complete") and manifest["records_done"] == len(records):
+            return manifest
+    with output_lock(out, "features"):
+        return _extract(target, data, out, records, settings, progress)
+
+
+def _extract(target, data: Path, out: Path, records: list[dict], settings: FeatureSettings, progress) -> dict:
     manifest = _open_manifest(out, target, data, settings, len(records))
     start_t, done_tokens = time.time(), 0
     bar = tqdm(total=len(records), initial=manifest["records_done"], unit="rec", desc="features", file=progress,
@@ -184,20 +227,29 @@ def _features_in_batches(target, sequences: list[list[int]], settings: FeatureSe
 class FeatureShards:
     """Read-only view of a features directory: records by index, each (input_ids, loss_mask, hidden)."""
 
-    def __init__(self, path: str | Path, fingerprint: str | None = None):
+    def __init__(self, path: str | Path, fingerprint: str | None = None, target_weights: str | None = None):
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise FeaturesError(f"{manifest_path}: missing; run `taps features` first")
-        self.manifest = json.loads(manifest_path.read_text())
+        self.manifest = read_manifest(manifest_path)
         if fingerprint is not None and self.manifest["tokenizer_fingerprint"] != fingerprint:
             raise FeaturesError(f"{manifest_path}: made for tokenizer {self.manifest['tokenizer_fingerprint']}, "
                                 f"not the target's {fingerprint}")
+        made_with = self.manifest.get("target_weights")  # absent in manifests written before it was recorded
+        if target_weights is not None and made_with is not None and made_with != target_weights:
+            raise FeaturesError(f"{manifest_path}: made with target_weights = {made_with!r}, the target has "
+                                f"{target_weights!r}; these are another model's features (same tokenizer)")
         self._index = [(s["name"], j) for s in self.manifest["shards"] for j in range(s["records"])]
         self._offsets = {}
+        from safetensors import SafetensorError
+
         for shard in self.manifest["shards"]:
-            with safe_open(self.path / shard["name"], framework="pt") as f:
-                self._offsets[shard["name"]] = f.get_tensor("offsets")
+            try:
+                with safe_open(self.path / shard["name"], framework="pt") as f:
+                    self._offsets[shard["name"]] = f.get_tensor("offsets")
+            except (SafetensorError, OSError) as err:
+                raise FeaturesError(f"{self.path / shard['name']}: not a readable features shard ({err})") from None
 
     def __len__(self) -> int:
         return len(self._index)
@@ -224,12 +276,13 @@ class FeatureSet:
     a mixture like "N/2 chat + N/2 math" reuses the features of the single-domain sets (their
     records are in draw order, and a smaller draw is a prefix of a larger one)."""
 
-    def __init__(self, parts: list[tuple[str | Path, int | None]], fingerprint: str | None = None):
+    def __init__(self, parts: list[tuple[str | Path, int | None]], fingerprint: str | None = None,
+                 target_weights: str | None = None):
         if not parts:
             raise FeaturesError("no features directory given")
         self.parts = []
         for path, limit in parts:
-            shards = FeatureShards(path, fingerprint)
+            shards = FeatureShards(path, fingerprint, target_weights)
             if limit is not None and limit > len(shards):
                 raise FeaturesError(f"{path}: asked for its first {limit:,} records, it has {len(shards):,}")
             self.parts.append((shards, len(shards) if limit is None else limit))
@@ -241,14 +294,22 @@ class FeatureSet:
         self.hidden_size = sizes.pop()
         self.description = " + ".join(f"{s.path}[:{n}]" for s, n in self.parts)
 
+    def identity(self) -> str:
+        """Digest of what the training records are: each part's data, tokenizer, settings, shards and
+        limit (not target_weights, which older manifests lack; the trainer checks the target apart)."""
+        keys = ("tokenizer_fingerprint", "hidden_size", "max_len", "dtype", "data_digest", "records_done", "shards")
+        blob = json.dumps([[{k: s.manifest.get(k) for k in keys}, n] for s, n in self.parts], sort_keys=True)
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
     @classmethod
-    def from_specs(cls, specs: list[str] | str, fingerprint: str | None = None) -> "FeatureSet":
+    def from_specs(cls, specs: list[str] | str, fingerprint: str | None = None,
+                   target_weights: str | None = None) -> "FeatureSet":
         """Specs `DIR` or `DIR:LIMIT` (a last colon-part of digits is the limit)."""
         parts = []
         for spec in [specs] if isinstance(specs, (str, Path)) else specs:
             head, sep, tail = str(spec).rpartition(":")
             parts.append((head, int(tail)) if sep and head and tail.isdigit() else (str(spec), None))
-        return cls(parts, fingerprint)
+        return cls(parts, fingerprint, target_weights)
 
     def __len__(self) -> int:
         return sum(n for _, n in self.parts)

@@ -26,6 +26,8 @@ _COUNT = re.compile(r"[0-9]+")
 def parse_count(spec: str) -> tuple[str, int | None]:
     """Split `SOURCE[:COUNT]` into the source spec and the count (None: every record)."""
     head, sep, tail = spec.rpartition(":")
+    if sep and head and re.fullmatch(r"[-+][0-9]+", tail):
+        raise SourceSpecError(f"--source {spec}: the count must be a positive integer, got {tail}")
     if not (sep and head and _COUNT.fullmatch(tail)):
         return spec, None
     if int(tail) == 0:
@@ -59,6 +61,9 @@ def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None,
             records = _english(records, report)
         if on_report is not None:
             on_report(report)
+        if not records:
+            raise SourceSpecError(f"--source {text}: no usable records (an empty file, or every record dropped: "
+                                  f"{report.dropped or 'none read'})")
         mixed.extend(_draw(records, count, seed, spec, report))
     random.Random(seed).shuffle(mixed)
     return mixed

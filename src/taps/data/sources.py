@@ -88,8 +88,9 @@ class SourceReport:
 def _read_objects(path: Path) -> tuple[list[tuple[int, str, Any]], bool]:
     """(number, location, object) for every record of a JSON array or JSONL file, and whether the
     file was truncated. number is the line (JSONL) or array index (JSON) used in ids."""
-    with open(path, encoding="utf-8-sig") as f:
-        text = f.read()
+    from taps.jsonl import decode_utf8
+
+    text = decode_utf8(path.read_bytes(), path)
     start = _WS.match(text).end()
     if text.startswith("[", start):
         return _json_array(text, start + 1, path)

@@ -99,15 +99,16 @@ def read_questions(path: str | Path, bench: str, fmt: str | None = None) -> list
     fields (a GSM8K-format test file is then usable by path too). Blank lines are skipped."""
     path = Path(path)
     rows: list[tuple[int, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise BenchmarkFormatError(f"{path}:{lineno}: invalid JSON ({err.msg}); expected one JSON object "
-                                           f"per line") from None
+    from taps.jsonl import text_lines
+
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rows.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as err:
+            raise BenchmarkFormatError(f"{path}:{lineno}: invalid JSON ({err.msg}); expected one JSON object "
+                                       f"per line") from None
     if not rows:
         raise BenchmarkFormatError(f"{path}: no questions (an empty file)")
     if fmt is None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, tree_shape
+from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int,
+                           tree_shape)
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
@@ -32,7 +33,7 @@ def _variant(text: str):
 
 def add_decode_arguments(p) -> None:
     """Target, tree and decoding options shared by `taps eval` and the study commands."""
-    p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap per turn")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     add_tree_arguments(p, auto=True)
@@ -52,9 +53,9 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=_temperatures, default=(0.0,), help="comma-separated, e.g. 0,1")
     p.add_argument("--out", required=True, help="results directory (records.jsonl, run.json); reruns resume")
     p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
-    p.add_argument("--limit", type=int, help="first N questions of each benchmark")
+    p.add_argument("--limit", type=positive_int, help="first N questions of each benchmark")
     p.add_argument("--category", action="append", help="keep only this category (repeat)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes on this machine, each every N-th question "
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes on this machine, each every N-th question "
                                                        "with its share of the cores (CPUs; for GPUs use "
                                                        "accelerate launch)")
     add_decode_arguments(p)
@@ -123,12 +124,12 @@ def register_study(sub) -> None:
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
                                                    "directory, results of an earlier embedded default are moved aside)")
-    d.add_argument("--per-bench", type=int, default=2, help="questions per benchmark")
-    d.add_argument("--max-new-tokens", type=int, default=96, help="answer length cap per turn")
+    d.add_argument("--per-bench", type=positive_int, default=2, help="questions per benchmark")
+    d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
     add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPU, fp32 on CPU)")
-    d.add_argument("--jobs", type=int, default=1, help="worker processes (on a CPU: one per core decodes fastest)")
+    d.add_argument("--jobs", type=positive_int, default=1, help="worker processes (on a CPU: one per core decodes fastest)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
@@ -136,7 +137,7 @@ def register_study(sub) -> None:
 DEMO_OUT = "runs/demo-study"
 # what changes when a new embedded default ships (target or drafter weights); other mismatches
 # (tree, settings, variants) are the user's choices and keep the usual refusal
-NEW_DEFAULT_KEYS = ("target_fingerprint", "drafter_weights")
+NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
 
 
 def _stages() -> tuple[str, ...]:
@@ -148,8 +149,14 @@ def _stages() -> tuple[str, ...]:
 def _reproduce(args) -> int:
     from taps.eval.study import load_study, plan, run_study
 
-    study = load_study(args.config, args.data_dir)
+    from taps.eval.study import STAGES
+
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise ValueError(f"--stages {args.stages!r}: unknown stage(s) {', '.join(unknown) or '(none given)'}; "
+                         f"expected a comma-separated subset of {', '.join(STAGES)}")
+    study = load_study(args.config, args.data_dir)
     print("\n".join(plan(study, stages)))
     if args.dry_run:
         return 0

@@ -27,14 +27,17 @@ from pathlib import Path
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
+from taps.identity import MismatchError, check_same
 from taps.eval.benchmarks import Question
 from taps.eval.records import conversation_key, read_records, record_key, turn_record
 from taps.eval.variants import HeadPool, VariantSpec
 from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic
+from taps.outlock import output_lock
 
 RECORDS = "records.jsonl"
 SHARDS = "shards"
 RUN_INFO = "run.json"
+TARGET_KEYS = ("target_weights", "target_dtype")  # Target.identity(): the target by content
 
 
 class ResultsMismatchError(ValueError):
@@ -83,7 +86,7 @@ def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings:
     benches: dict[str, int] = {}
     for q in questions:
         benches[q.bench] = benches.get(q.bench, 0) + 1
-    return {"target": str(target_dir), "target_fingerprint": target.fingerprint(),
+    return {"target": str(target_dir), "target_fingerprint": target.fingerprint(), **target.identity(),
             "tree": asdict(settings.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
             "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
             "drafter_weights": drafter_weights(variants),
@@ -102,12 +105,22 @@ def check_run_info(out: Path, info: dict) -> dict:
     path = out / RUN_INFO
     if not path.is_file():
         return info
-    old = json.loads(path.read_text())
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ResultsMismatchError(f"{path}: not valid JSON ({err}); fix or remove it", RUN_INFO) from None
     for key in ("target_fingerprint", "tree", "tree_mode", "max_new_tokens", "seed", "top_p"):
         if old.get(key) != info.get(key):  # tree_mode is only written for auto trees
             raise ResultsMismatchError(
                 f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info.get(key)!r}; "
                 "use another --out (or the same settings) so records of different runs are never mixed", key)
+    try:  # results written before the target's identity was recorded: accepted once, recorded from now on
+        missing = check_same(path, old, info, TARGET_KEYS, "use another --out so records of two targets (of one "
+                                                           "tokenizer, say a base model and its instruct version) "
+                                                           "are never mixed")
+    except MismatchError as err:
+        raise ResultsMismatchError(str(err), err.key) from None
+    old.update({k: info[k] for k in missing})
     for name, spec in info["variants"].items():
         if name in old.get("variants", {}) and old["variants"][name] != spec:
             raise ResultsMismatchError(f"{path}: variant {name!r} was {old['variants'][name]}, now {spec}; "
@@ -161,6 +174,16 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique, got {', '.join(names)}")
+    if not questions:
+        raise ValueError("no questions to decode (check --bench, --limit and --category)")
+    if shard.rank == 0 and merge:  # one writer per results directory (--jobs workers write under their parent's lock)
+        with output_lock(out, "results"):
+            return _run_eval(target, target_dir, variants, questions, out, settings, shard, progress, merge)
+    return _run_eval(target, target_dir, variants, questions, out, settings, shard, progress, merge)
+
+
+def _run_eval(target, target_dir, variants, questions, out: Path, settings: EvalSettings, shard: Shard,
+              progress: bool, merge: bool) -> int:
     info = check_run_info(out, run_info(target, target_dir, variants, settings, questions))
     if shard.rank == 0:
         write_json_atomic(out / RUN_INFO, info)
@@ -217,12 +240,18 @@ def run_eval_jobs(target_spec: str, device: str, dtype: str, variants: Sequence[
     the cores), then one merge: on a CPU, single-threaded processes decode more tokens per second
     in all than one process with every thread. Each record is the same as a one-process run's
     (every question's seed is its own); returns the conversations now in the results."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if not questions:
+        raise ValueError("no questions to decode (check --bench, --limit and --category)")
+    with output_lock(out, "results"):
+        return _run_eval_jobs(target_spec, device, dtype, variants, questions, Path(out), settings, jobs, progress)
+
+
+def _run_eval_jobs(target_spec, device, dtype, variants, questions, out: Path, settings, jobs, progress) -> int:
     import multiprocessing
     import os
 
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
-    out = Path(out)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     procs = [ctx.Process(target=_eval_worker, args=(target_spec, device, dtype, list(variants), list(questions),

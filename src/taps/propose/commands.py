@@ -83,6 +83,8 @@ def _average(args) -> int:
     paths = [d for _, d in args.drafter]
     if len(paths) < 2:
         raise ValueError("taps average needs at least two --drafter")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
     if args.sweep:
         if len(paths) != 2:
             raise ValueError(f"--sweep interpolates exactly two drafters, got {len(paths)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taps.cli_args import DefaultsHelpFormatter
+from taps.cli_args import DefaultsHelpFormatter, device_arg, positive_int
 
 
 def register(sub) -> None:
@@ -15,13 +15,13 @@ def register(sub) -> None:
     b.add_argument("--work", help="checkpoints, caches and log (default: OUT.work)")
     b.add_argument("--minutes", type=float, help="wall-clock cap; stops early (and records it) when hit")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--steps", type=int, default=2000)
-    b.add_argument("--batch-size", type=int, default=8)
-    b.add_argument("--seq-len", type=int, default=512)
+    b.add_argument("--steps", type=positive_int, default=2000)
+    b.add_argument("--batch-size", type=positive_int, default=8)
+    b.add_argument("--seq-len", type=positive_int, default=512)
     b.add_argument("--pack", choices=["stream", "conversations"], default="stream",
                    help="training blocks at any offset of the packed corpus, or each at a conversation's start "
                         "(every answer then sees its question)")
-    b.add_argument("--chat-max-tokens", type=int, default=768, help="cut each chat conversation to this many tokens")
+    b.add_argument("--chat-max-tokens", type=positive_int, default=768, help="cut each chat conversation to this many tokens")
     b.add_argument("--math-share", type=float, default=0.5, help="share of each batch from the math domain")
     b.add_argument("--init-from", help="continue training a target this recipe built (same tokenizer and split; "
                                        "its data blocks are not repeated)")
@@ -33,18 +33,18 @@ def register(sub) -> None:
                    help="weight of sequence-level unlikelihood: each step the model answers --seq-prompts chat "
                         "questions of its batch greedily and tokens of 4-grams repeated in its answers are pushed "
                         "down (for fine-tuning with --init-from)")
-    b.add_argument("--seq-prompts", type=int, default=8)
-    b.add_argument("--seq-new-tokens", type=int, default=128)
-    b.add_argument("--threads", type=int, help="torch CPU threads")
-    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (a GPU when there is one)")
+    b.add_argument("--seq-prompts", type=positive_int, default=8)
+    b.add_argument("--seq-new-tokens", type=positive_int, default=128)
+    b.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    b.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto (a GPU when there is one)")
     b.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                    help="bf16 autocast (GPUs; CPUs with AMX too: 1.8x measured on the default shape)")
-    b.add_argument("--hidden-size", type=int, default=256)
-    b.add_argument("--layers", type=int, default=6)
-    b.add_argument("--heads", type=int, default=4, help="attention heads (as many key/value heads)")
-    b.add_argument("--intermediate-size", type=int, default=704)
+    b.add_argument("--hidden-size", type=positive_int, default=256)
+    b.add_argument("--layers", type=positive_int, default=6)
+    b.add_argument("--heads", type=positive_int, default=4, help="attention heads (as many key/value heads)")
+    b.add_argument("--intermediate-size", type=positive_int, default=704)
     b.add_argument("--chat-source", default="sharegpt", help="source spec of the chat domain")
-    b.add_argument("--chat-max-answer-words", type=int,
+    b.add_argument("--chat-max-answer-words", type=positive_int,
                    help="drop chat conversations with an assistant turn longer than this (words)")
     b.add_argument("--chat-drop-code", action="store_true",
                    help="drop chat conversations with a code fence in an assistant turn")
@@ -57,23 +57,23 @@ def register(sub) -> None:
     d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     d.add_argument("--out", required=True, help="drafters directory: one <backbone>-<domain>/ per drafter")
     d.add_argument("--work", help="data, features and checkpoints (default: OUT.work)")
-    d.add_argument("--n", type=int, default=2000, help="records per domain (mixed-small: N/2 + N/2, mixed-large: N + N)")
-    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--n", type=positive_int, default=2000, help="records per domain (mixed-small: N/2 + N/2, mixed-large: N + N)")
+    d.add_argument("--epochs", type=positive_int, default=6)
     d.add_argument("--lr", type=float, default=1e-3)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--max-len", type=int, default=512)
+    d.add_argument("--batch-size", type=positive_int, default=8)
+    d.add_argument("--max-len", type=positive_int, default=512)
     d.add_argument("--backbones", default="eagle2,hass")
     d.add_argument("--domains", default="chat,math,mixed-small,mixed-large")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
-    d.add_argument("--device", default="cpu", help="where the target and the heads run: cpu, cuda or auto")
+    d.add_argument("--threads", type=positive_int, help="torch CPU threads (per worker with --jobs; default: cores / jobs)")
+    d.add_argument("--device", type=device_arg, default="cpu", help="where the target and the heads run: cpu, cuda or auto")
     d.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="bf16 autocast for the heads (GPUs; AMX CPUs too)")
     d.add_argument("--compile", action="store_true", help="torch.compile the heads' vocabulary-sized loss terms "
                                                              "(as `taps train --compile`)")
-    d.add_argument("--jobs", type=int, default=1, help="train this many heads at once, in separate processes; "
+    d.add_argument("--jobs", type=positive_int, default=1, help="train this many heads at once, in separate processes; "
                                                        "each takes the next head, longest first, when it finishes "
                                                        "one (on a CPU: one per core)")
-    d.add_argument("--checkpoint-steps", type=int, default=100, help="also checkpoint every N steps (resume point)")
+    d.add_argument("--checkpoint-steps", type=positive_int, default=100, help="also checkpoint every N steps (resume point)")
     d.add_argument("--chat-source", default="sharegpt")
     d.add_argument("--math-source", default="gsm8k:train")
     d.set_defaults(func=_build_drafters)
@@ -83,11 +83,11 @@ def register(sub) -> None:
     a.add_argument("--target", required=True, help="target model directory the drafters were trained for")
     a.add_argument("--drafters", required=True, help="directory of <backbone>-<domain>/ drafters")
     a.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
-    a.add_argument("--n", type=int, default=20, help="questions per benchmark")
+    a.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
     a.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
-    a.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap per question")
+    a.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap per question")
     a.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun measures only new or retrained drafters")
-    a.add_argument("--jobs", type=int, default=1, help="measure this many drafters at once, in separate processes "
+    a.add_argument("--jobs", type=positive_int, default=1, help="measure this many drafters at once, in separate processes "
                                                        "(on a CPU: one per core); the same rows as one process")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the target's and heads' dtype (bf16: the fast path on AMX CPUs and GPUs)")
@@ -96,8 +96,8 @@ def register(sub) -> None:
     c = tsub.add_parser("check-target", help="GSM8K-format share and MT-Bench repetition of a target's answers")
     c.add_argument("--target", required=True)
     c.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
-    c.add_argument("--n", type=int, default=20, help="questions per benchmark")
-    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
+    c.add_argument("--max-new-tokens", type=positive_int, default=256)
     c.add_argument("--samples", help="write every question and answer to this JSONL file")
     c.set_defaults(func=_check_target)
 

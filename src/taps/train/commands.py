@@ -3,7 +3,7 @@ train/trainer.py."""
 
 from __future__ import annotations
 
-from taps.cli_args import DefaultsHelpFormatter
+from taps.cli_args import DefaultsHelpFormatter, device_arg, positive_int
 
 
 def register(sub) -> None:
@@ -12,11 +12,11 @@ def register(sub) -> None:
     f.add_argument("--target", required=True, help="Hugging Face model directory")
     f.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     f.add_argument("--out", required=True, help="features directory (resumed if it exists)")
-    f.add_argument("--max-len", type=int, default=2048)
+    f.add_argument("--max-len", type=positive_int, default=2048)
     f.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="stored feature dtype")
-    f.add_argument("--records-per-shard", type=int, default=512)
-    f.add_argument("--tokens-per-batch", type=int, default=8192, help="padded tokens per target forward")
-    f.add_argument("--device", default="auto")
+    f.add_argument("--records-per-shard", type=positive_int, default=512)
+    f.add_argument("--tokens-per-batch", type=positive_int, default=8192, help="padded tokens per target forward")
+    f.add_argument("--device", type=device_arg, default="auto")
     f.add_argument("--target-dtype", default="auto", help="dtype the target runs in")
     f.set_defaults(func=_features)
 
@@ -27,22 +27,22 @@ def register(sub) -> None:
     t.add_argument("--features", required=True, action="append", metavar="DIR[:LIMIT]",
                    help="features directory; repeat to train on several (DIR:LIMIT takes its first LIMIT records)")
     t.add_argument("--out", required=True, help="drafter directory; checkpoints go to OUT/ckpt")
-    t.add_argument("--epochs", type=int, default=20)
+    t.add_argument("--epochs", type=positive_int, default=20)
     t.add_argument("--lr", type=float, default=3e-5)
-    t.add_argument("--batch-size", type=int, default=8, help="per process")
-    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--batch-size", type=positive_int, default=8, help="per process")
+    t.add_argument("--grad-accum", type=positive_int, default=1)
     t.add_argument("--warmup-steps", type=int, default=2000)
-    t.add_argument("--max-len", type=int, help="cut samples to this many tokens")
-    t.add_argument("--hass-topk", type=int, default=10)
-    t.add_argument("--hass-steps", type=int, default=3)
+    t.add_argument("--max-len", type=positive_int, help="cut samples to this many tokens")
+    t.add_argument("--hass-topk", type=positive_int, default=10)
+    t.add_argument("--hass-steps", type=positive_int, default=3)
     t.add_argument("--noise-width", type=float, default=0.2)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-steps", type=int, help="also checkpoint every N steps (always every epoch)")
+    t.add_argument("--checkpoint-steps", type=positive_int, help="also checkpoint every N steps (always every epoch)")
     t.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the vocabulary-sized loss terms into fused kernels (same loss; faster "
                         "steps after a one-off compile; needs a C++ compiler on the CPU)")
-    t.add_argument("--draft-vocab", type=int, metavar="N",
+    t.add_argument("--draft-vocab", type=positive_int, metavar="N",
                    help="draft over the N most frequent target tokens of the training data (EAGLE-3's reduced "
                         "vocabulary; the target's stop tokens always included): [.., N] instead of [.., V] LM-head "
                         "terms; default: the full vocabulary")

@@ -219,7 +219,7 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     import torch
     from accelerate import Accelerator
 
-    from taps.train.trainer import TrainConfig, Trainer
+    from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
     name = f"{backbone}-{domain}"
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
@@ -231,13 +231,15 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     # the heads train where the target is: a CPU target on a GPU machine keeps accelerate off the GPU
     # (cpu=False is accelerate's default, so CPU-only machines see no difference)
     acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=target.device.type == "cpu" and torch.cuda.is_available())
-    trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
-    if trainer.resume():
-        log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
-    else:
-        log(f"{name}: training, {trainer.total_steps} steps")
     t0 = time.time()
-    trainer.fit(progress=progress)
+    with writer_lock(run_dir):
+        trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
+        if trainer.resume():
+            log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
+        else:
+            log(f"{name}: training, {trainer.total_steps} steps")
+        t0 = time.time()
+        trainer.fit(progress=progress)
     head_dir = out / name
     head_dir.mkdir(parents=True, exist_ok=True)
     for file in ("config.json", "metrics.jsonl", "model.safetensors"):  # the shipped drafter: no optimizer

@@ -32,12 +32,19 @@ import torch
 
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
+from taps.identity import MismatchError, check_same
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
 from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
 
 BACKBONES = ("eagle2", "hass")
+# TrainConfig fields that change the trained weights or the saved head: a resume under another value
+# is refused. The rest (checkpoint_steps, log_every, compile_loss: the same loss up to float summation
+# order, keep_epoch_heads) may change between runs.
+CONTENT_FIELDS = ("backbone", "epochs", "lr", "batch_size", "grad_accum", "warmup_steps", "max_grad_norm", "max_len",
+                  "heldout_frac", "hass_topk", "hass_steps", "noise_width", "seed", "mixed_precision",
+                  "training_data", "draft_vocab")
 
 
 class TrainingError(RuntimeError):
@@ -73,6 +80,12 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.noise_width < 0:
+            raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1 (or None for the full vocabulary), got {self.draft_vocab}")
 
@@ -139,7 +152,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.target = target
         target.model.requires_grad_(False)
-        self.shards = FeatureSet.from_specs(features, fingerprint=target.fingerprint())
+        self.shards = FeatureSet.from_specs(features, fingerprint=target.fingerprint(),
+                                            target_weights=target.identity()["target_weights"])
         if self.shards.hidden_size != target.hidden_size:
             raise TrainingError(f"{self.shards.description}: features of hidden size {self.shards.hidden_size}, "
                                 f"the target's is {target.hidden_size}")
@@ -222,15 +236,18 @@ class Trainer:
         digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] if ids is not None else None
         return {"draft_vocab": self.cfg.draft_vocab, "draft_vocab_digest": digest}
 
+    def run_settings(self) -> dict:
+        """Everything the weights depend on: the content fields of the config, the features (by
+        content) and the target's weights. A resume with any difference is refused."""
+        return {**{k: getattr(self.cfg, k) for k in CONTENT_FIELDS}, "features": self.shards.identity(),
+                "target_weights": self.target.identity()["target_weights"]}
+
     def resume(self) -> bool:
         ckpt = latest_checkpoint(self.out / "ckpt")
         if ckpt is None:
             return False
-        state = load_checkpoint(ckpt, self.head, self.optimizer)
-        self.step = int(state["step"])
-        extra = state["extra"]
-        self.train_seconds = float(extra.get("train_seconds", 0.0))
-        self.timed_from_step = int(extra["timed_from_step"]) if "timed_from_step" in extra else self.step
+        with open(ckpt / "state.json", encoding="utf-8") as f:  # checked before any state is restored
+            extra = json.load(f).get("extra", {})
         if extra.get("global_batch") != self.global_batch:
             raise TrainingError(f"{ckpt}: saved with global batch {extra.get('global_batch')}, this run "
                                 f"has {self.global_batch}; resume with the same batch layout")
@@ -238,12 +255,22 @@ class Trainer:
             if extra.get(key) != ours:
                 raise TrainingError(f"{ckpt}: saved with {key} {extra.get(key)}, this run has {ours}; resume with "
                                     "the same --draft-vocab (and the same training features)")
+        saved, ours = extra.get("run_settings", {}), self.run_settings()
+        try:  # a checkpoint written before run settings were recorded: accepted once, recorded from now on
+            check_same(ckpt, saved, ours, tuple(ours), "resume with the same settings, or train into another --out")
+        except MismatchError as err:
+            raise TrainingError(str(err)) from None
+        state = load_checkpoint(ckpt, self.head, self.optimizer)
+        self.step = int(state["step"])
+        self.train_seconds = float(extra.get("train_seconds", 0.0))
+        self.timed_from_step = int(extra["timed_from_step"]) if "timed_from_step" in extra else self.step
         return True
 
     def _save(self, metrics: dict) -> None:
         if self.acc.is_main_process:
             save_checkpoint(self.out / "ckpt", self.step, self.head, self.optimizer,
                             extra={"global_batch": self.global_batch, "metrics": metrics,
+                                   "run_settings": self.run_settings(),
                                    "train_seconds": self.train_seconds, "timed_from_step": self.timed_from_step,
                                    **self._draft_vocab_state()})
             save_head(self.head, self.out / "ckpt" / f"step-{self.step:06d}" / "head", self.info())
@@ -353,9 +380,21 @@ def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: Tra
     # the frozen embedding / LM head run in the head's precision: fp32 unless mixed precision is on
     target = Target.load(target_dir, device=str(acc.device), dtype="float32" if cfg.mixed_precision == "no" else "auto")
     out_path = Path(out)
-    if (out_path / "ckpt").exists() and not resume:
-        raise TrainingError(f"{out_path / 'ckpt'} exists: pass --resume to continue it, or choose another --out")
-    trainer = Trainer(target, features, out_path, cfg, accelerator=acc)
-    if resume and trainer.resume() and acc.is_main_process:
-        print(f"resumed at step {trainer.step}/{trainer.total_steps}")
-    return trainer.fit()
+    if out_path.exists() and not out_path.is_dir():
+        raise TrainingError(f"--out {out_path}: is a file; expected a drafter directory")
+    with writer_lock(out_path, acc.is_main_process):
+        if (out_path / "ckpt").exists() and not resume:
+            raise TrainingError(f"{out_path / 'ckpt'} exists: pass --resume to continue it, or choose another --out")
+        trainer = Trainer(target, features, out_path, cfg, accelerator=acc)
+        if resume and trainer.resume() and acc.is_main_process:
+            print(f"resumed at step {trainer.step}/{trainer.total_steps}")
+        return trainer.fit()
+
+
+def writer_lock(out: Path, main_process: bool = True):
+    """The run directory's one-writer lock (taps.outlock), taken by the main process only."""
+    from contextlib import nullcontext
+
+    from taps.outlock import output_lock
+
+    return output_lock(out, "training") if main_process else nullcontext()

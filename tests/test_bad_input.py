@@ -1,0 +1,349 @@
+"""A user's mistakes, through the real `taps` entry point: every case exits with code 2 and one
+error line naming the culprit, shows no traceback, and leaves the earlier results of the
+workspace (features, eval results, a training run, a drafter, data) byte-identical. Plus the three
+ways two runs used to mix silently (same tokenizer, other weights; a changed training resume),
+resuming directories written before run identities were recorded, and the one-writer lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from taps.cli import main
+from taps.testing import write_tiny_target
+
+RECORDS = [{"id": f"r{i}", "source": "chat" if i % 2 else "math",
+            "conversations": [{"role": "user", "content": f"How many clips, {i}?"},
+                              {"role": "assistant", "content": "48/2 = 24 clips. The quick brown fox. " * (1 + i % 3)}]}
+           for i in range(8)]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Exit code and stdout + stderr of one in-process `taps` run (argparse exits by SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file of the workspace (the lock files aside: a refused writer may take them)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".taps.lock"}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A workspace with a finished run of every kind, made through the CLI, and bad inputs beside it."""
+    ws = tmp_path_factory.mktemp("ws")
+    write_tiny_target(ws / "tgt", seed=0)
+    write_tiny_target(ws / "tgt2", seed=1)  # the same tokenizer, other weights: a base model and its tune
+    (ws / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (ws / "data2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:6]))
+    (ws / "empty.jsonl").write_text("")
+    (ws / "latin1.jsonl").write_bytes(json.dumps(RECORDS[0]).encode() + b"\n" + "caf\u00e9\n".encode("latin-1"))
+    (ws / "bad.jsonl").write_text("{not json\n")
+    (ws / "afile").write_text("a file, not a directory\n")
+    (ws / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["How many clips?"]}) + "\n")
+    (ws / "noq.jsonl").write_text("\n")
+    shutil.copytree(ws / "tgt", ws / "cut")
+    weights = ws / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(ws / "tgt", ws / "badcfg")
+    (ws / "badcfg" / "config.json").write_text("{")
+    t = str(ws / "tgt")
+    steps = [["drafter", "init", "--target", t, "--out", str(ws / "d")],
+             ["drafter", "init", "--target", t, "--out", str(ws / "d2"), "--seed", "2"],
+             ["features", "--target", t, "--data", str(ws / "data.jsonl"), "--out", str(ws / "feat"),
+              "--dtype", "fp32", "--device", "cpu", "--target-dtype", "float32"],
+             ["features", "--target", t, "--data", str(ws / "data2.jsonl"), "--out", str(ws / "feat2"),
+              "--dtype", "fp32", "--device", "cpu", "--target-dtype", "float32"],
+             ["train", "--target", t, "--features", str(ws / "feat"), "--out", str(ws / "run"), "--epochs", "1",
+              "--batch-size", "2", "--warmup-steps", "0", "--cpu"],
+             ["eval", "--target", t, "--variant", "base=baseline", "--variant", f"d={ws / 'd'}", "--bench",
+              f"toy={ws / 'q.jsonl'}", "--out", str(ws / "results"), "--max-new-tokens", "4", "--device", "cpu",
+              "--total-tokens", "6", "--depth", "2", "--top-k", "2", "--no-progress"]]
+    for argv in steps:
+        assert main(argv) == 0, argv
+    return ws
+
+
+T, T2, CUT = "{ws}/tgt", "{ws}/tgt2", "{ws}/cut"
+
+
+def opts(argv: list[str], **values: str) -> list[str]:
+    """argv with options set: `max_new_tokens="8"` replaces the value after --max-new-tokens (or adds it)."""
+    argv = list(argv)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return argv
+
+
+GEN = ["generate", "--target", T, "--prompt", "hi", "--device", "cpu"]
+FEAT = ["features", "--target", T, "--data", "{ws}/data.jsonl", "--dtype", "fp32", "--device", "cpu",
+        "--target-dtype", "float32"]
+TRAIN = ["train", "--target", T, "--features", "{ws}/feat", "--epochs", "1", "--batch-size", "2", "--warmup-steps",
+         "0", "--cpu"]
+EVAL = ["eval", "--target", T, "--variant", "base=baseline", "--variant", "d={ws}/d", "--bench", "toy={ws}/q.jsonl",
+        "--max-new-tokens", "4", "--device", "cpu", "--total-tokens", "6", "--depth", "2", "--top-k", "2",
+        "--no-progress"]
+MIX = ["data", "mix", "--out", "{ws}/mixed.jsonl", "--source"]
+AVG = ["average", "--drafter", "a={ws}/d", "--drafter", "b={ws}/d2"]
+
+# (case id, argv, what the one error line must name)
+CASES = [
+    # generate
+    ("generate-missing-target", ["generate", "--target", "{ws}/nope", "--prompt", "hi"], ["nope"]),
+    ("generate-truncated-weights", ["generate", "--target", CUT, "--prompt", "hi"], ["cut/model.safetensors", "truncated"]),
+    ("generate-corrupt-config", ["generate", "--target", "{ws}/badcfg", "--prompt", "hi"], ["badcfg/config.json"]),
+    ("generate-target-is-data", ["generate", "--target", "{ws}/data.jsonl", "--prompt", "hi"], ["data.jsonl"]),
+    ("generate-device-tpu", GEN + ["--device", "tpu"], ["--device", "tpu"]),
+    ("generate-prompt-not-utf8", ["generate", "--target", T, "--prompt", "caf\udce9"], ["not UTF-8"]),
+    ("generate-max-new-tokens-0", GEN + ["--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+    ("generate-max-new-tokens-negative", GEN + ["--max-new-tokens", "-5"], ["--max-new-tokens"]),
+    ("generate-total-tokens-0", GEN + ["--total-tokens", "0"], ["--total-tokens"]),
+    ("generate-depth-above-total", GEN + ["--drafter", "{ws}/d", "--total-tokens", "4", "--depth", "9"],
+     ["--depth 9", "--total-tokens 4"]),
+    ("generate-top-k-abc", GEN + ["--top-k", "abc"], ["--top-k", "abc"]),
+    ("generate-missing-drafter", GEN + ["--drafter", "{ws}/nodrafter"], ["nodrafter/config.json"]),
+    ("generate-prompt-ids", ["generate", "--target", T, "--prompt-ids", "1,a"], ["--prompt-ids"]),
+    ("generate-dtype", GEN + ["--dtype", "float64"], ["--dtype", "float64"]),
+    ("generate-unknown-strategy", GEN + ["--strategy", "vote"], ["--strategy", "vote"]),
+    # drafter
+    ("drafter-init-out-is-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile"], ["afile"]),
+    ("drafter-init-out-under-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile/d"], ["afile"]),
+    ("drafter-init-missing-target", ["drafter", "init", "--target", "{ws}/nope", "--out", "{ws}/dx"], ["nope"]),
+    ("reduce-vocab-size-0", ["drafter", "reduce-vocab", "--drafter", "{ws}/d", "--features", "{ws}/feat", "--size", "0",
+                             "--out", "{ws}/dr"], ["draft vocabulary size 0"]),
+    ("reduce-vocab-missing-features", ["drafter", "reduce-vocab", "--drafter", "{ws}/d", "--features", "{ws}/nofeat",
+                                       "--size", "10", "--out", "{ws}/dr"], ["nofeat/manifest.json"]),
+    # features
+    ("features-max-len-0", FEAT + ["--out", "{ws}/fx", "--max-len", "0"], ["--max-len"]),
+    ("features-records-per-shard-0", FEAT + ["--out", "{ws}/fx", "--records-per-shard", "0"], ["--records-per-shard"]),
+    ("features-tokens-per-batch-negative", FEAT + ["--out", "{ws}/fx", "--tokens-per-batch", "-1"],
+     ["--tokens-per-batch"]),
+    ("features-empty-data", ["features", "--target", T, "--data", "{ws}/empty.jsonl", "--out", "{ws}/fx"],
+     ["empty.jsonl", "no records"]),
+    ("features-latin1-data", ["features", "--target", T, "--data", "{ws}/latin1.jsonl", "--out", "{ws}/fx"],
+     ["latin1.jsonl:2", "UTF-8"]),
+    ("features-bad-json", ["features", "--target", T, "--data", "{ws}/bad.jsonl", "--out", "{ws}/fx"], ["bad.jsonl:1"]),
+    ("features-missing-data", ["features", "--target", T, "--data", "{ws}/nodata.jsonl", "--out", "{ws}/fx"],
+     ["nodata.jsonl"]),
+    ("features-out-is-file", FEAT + ["--out", "{ws}/afile"], ["afile"]),
+    ("features-other-weights", ["features", "--target", T2, "--data", "{ws}/data.jsonl", "--out", "{ws}/feat",
+                                "--dtype", "fp32", "--device", "cpu", "--target-dtype", "float32"],
+     ["target_weights", "feat/manifest.json"]),
+    ("features-other-target-dtype", opts(FEAT, target_dtype="bfloat16", out="{ws}/feat"), ["target_dtype"]),
+    ("features-other-data", ["features", "--target", T, "--data", "{ws}/data2.jsonl", "--out", "{ws}/feat",
+                             "--dtype", "fp32", "--device", "cpu", "--target-dtype", "float32"], ["data_digest"]),
+    ("features-other-max-len", FEAT + ["--out", "{ws}/feat", "--max-len", "100"], ["max_len"]),
+    ("features-device-tpu", ["features", "--target", T, "--data", "{ws}/data.jsonl", "--out", "{ws}/fx", "--device",
+                             "tpu"], ["--device"]),
+    ("features-truncated-target", ["features", "--target", CUT, "--data", "{ws}/data.jsonl", "--out", "{ws}/fx"],
+     ["cut/model.safetensors"]),
+    # train
+    ("train-epochs-0", TRAIN + ["--out", "{ws}/rx", "--epochs", "0"], ["--epochs"]),
+    ("train-batch-size-0", TRAIN + ["--out", "{ws}/rx", "--batch-size", "0"], ["--batch-size"]),
+    ("train-lr-negative", TRAIN + ["--out", "{ws}/rx", "--lr", "-1"], ["lr", "-1"]),
+    ("train-missing-features", ["train", "--target", T, "--features", "{ws}/nofeat", "--out", "{ws}/rx", "--cpu"],
+     ["nofeat/manifest.json"]),
+    ("train-features-of-other-weights", ["train", "--target", T2, "--features", "{ws}/feat", "--out", "{ws}/rx",
+                                         "--cpu"], ["target_weights", "feat/manifest.json"]),
+    ("train-without-resume", TRAIN + ["--out", "{ws}/run"], ["--resume"]),
+    ("train-resume-backbone", TRAIN + ["--out", "{ws}/run", "--resume", "--backbone", "hass"],
+     ["backbone", "'eagle2'", "'hass'"]),
+    ("train-resume-lr", TRAIN + ["--out", "{ws}/run", "--resume", "--lr", "0.001"], ["lr = 3e-05", "0.001"]),
+    ("train-resume-epochs", opts(TRAIN, epochs="2", out="{ws}/run") + ["--resume"], ["epochs = 1", "2"]),
+    ("train-resume-features", ["train", "--target", T, "--features", "{ws}/feat2", "--epochs", "1", "--batch-size", "2",
+                               "--warmup-steps", "0", "--cpu", "--out", "{ws}/run", "--resume"], ["features"]),
+    ("train-out-is-file", TRAIN + ["--out", "{ws}/afile"], ["afile"]),
+    # data mix
+    ("mix-empty-source", MIX + ["messages:{ws}/empty.jsonl"], ["empty.jsonl"]),
+    ("mix-negative-count", MIX + ["gsm8k:{ws}/data.jsonl:-2"], ["-2", "positive"]),
+    ("mix-zero-count", MIX + ["messages:{ws}/data.jsonl:0"], ["count must be positive"]),
+    ("mix-unknown-source", MIX + ["nosuch:{ws}/data.jsonl"], ["nosuch"]),
+    ("mix-latin1", MIX + ["messages:{ws}/latin1.jsonl"], ["latin1.jsonl:2", "UTF-8"]),
+    ("mix-missing-file", MIX + ["messages:{ws}/nodata.jsonl"], ["nodata.jsonl"]),
+    ("mix-out-under-file", ["data", "mix", "--source", "messages:{ws}/data.jsonl", "--out", "{ws}/afile/m.jsonl"],
+     ["afile"]),
+    # eval
+    ("eval-limit-0", EVAL + ["--out", "{ws}/ex", "--limit", "0"], ["--limit"]),
+    ("eval-jobs-negative", EVAL + ["--out", "{ws}/ex", "--jobs", "-1"], ["--jobs"]),
+    ("eval-other-weights", opts(EVAL, target=T2, out="{ws}/results"),
+     ["target_weights", "results/run.json"]),
+    ("eval-other-max-new-tokens", opts(EVAL, max_new_tokens="8", out="{ws}/results"), ["max_new_tokens"]),
+    ("eval-other-tree", opts(EVAL, top_k="3", out="{ws}/results"), ["tree"]),
+    ("eval-empty-bench", ["eval", "--target", T, "--variant", "base=baseline", "--bench", "toy={ws}/noq.jsonl",
+                          "--out", "{ws}/ex"], ["noq.jsonl"]),
+    ("eval-bad-variant", ["eval", "--target", T, "--variant", "x=route-sideways:{ws}/d,{ws}/d2", "--out", "{ws}/ex"],
+     ["--variant"]),
+    ("eval-negative-temperature", EVAL + ["--out", "{ws}/ex", "--temperature", "-1"], ["--temperature"]),
+    ("eval-depth-above-total", opts(EVAL, total_tokens="4", depth="6", out="{ws}/ex"),
+     ["--depth 6", "--total-tokens 4"]),
+    ("eval-device-tpu", EVAL + ["--out", "{ws}/ex", "--device", "tpu"], ["--device"]),
+    ("eval-out-is-file", EVAL + ["--out", "{ws}/afile"], ["afile"]),
+    # study, averaging, profile, targets, tiny
+    ("reproduce-unknown-stage", ["reproduce", "{ws}/nostudy.yaml", "--stages", "evall"], ["evall"]),
+    ("reproduce-missing-config", ["reproduce", "{ws}/nostudy.yaml", "--dry-run"], ["nostudy.yaml"]),
+    ("average-same-name", ["average", "--drafter", "a={ws}/d", "--drafter", "a={ws}/d2", "--out", "{ws}/ax"],
+     ["distinct", "a, a"]),
+    ("average-out-is-file", AVG + ["--out", "{ws}/afile"], ["afile"]),
+    ("average-missing-drafter", ["average", "--drafter", "{ws}/d", "--drafter", "{ws}/nodrafter", "--out", "{ws}/ax"],
+     ["nodrafter"]),
+    ("profile-repeats-0", ["profile", "--target", T, "--repeats", "0"], ["--repeats"]),
+    ("target-convert-not-gguf", ["target", "convert", "{ws}/data.jsonl", "--out", "{ws}/cx"], ["data.jsonl"]),
+    ("tiny-build-drafters-n-0", ["tiny", "build-drafters", "--target", T, "--data-dir", "{ws}", "--out", "{ws}/tx",
+                                 "--n", "0"], ["--n"]),
+    ("unknown-command", ["evaluate"], ["evaluate"]),
+]
+
+
+def test_the_suite_is_large_enough():
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_mistake_exits_2_with_one_line_and_changes_nothing(case, ws, capsys):
+    _, argv, culprits = case
+    before = snapshot(ws)
+    code, output = run_cli([a.replace("{ws}", str(ws)) for a in argv], capsys)
+    assert code == 2, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1, output
+    for culprit in culprits:
+        assert culprit.replace("{ws}", str(ws)) in errors[0], errors[0]
+    assert snapshot(ws) == before  # earlier results byte-identical, nothing half-written beside them
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_output_directory(ws, capsys, tmp_path):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        code, output = run_cli([a.replace("{ws}", str(ws)) for a in opts(FEAT, out=str(locked / "f"))], capsys)
+    finally:
+        locked.chmod(0o755)
+    assert code == 2 and "Traceback" not in output and str(locked) in output
+
+
+def test_debug_shows_the_traceback(ws, capsys, monkeypatch):
+    argv = ["generate", "--target", str(ws / "nope"), "--prompt", "hi"]
+    with pytest.raises(FileNotFoundError):
+        main(["--debug"] + argv)
+    monkeypatch.setenv("TAPS_DEBUG", "1")
+    with pytest.raises(FileNotFoundError):
+        main(argv)
+
+
+def test_a_real_bug_keeps_its_traceback(ws, capsys, monkeypatch):
+    import taps.cli
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(taps.cli, "_drafter_init", broken)
+    with pytest.raises(KeyError):
+        main(["drafter", "init", "--target", str(ws / "tgt"), "--out", str(ws / "never")])
+
+
+# ---- resuming what the code before run identities wrote -------------------------------------
+
+def _strip(path: Path, keys) -> None:
+    obj = json.loads(path.read_text())
+    for key in keys:
+        obj.pop(key)
+    path.write_text(json.dumps(obj))
+
+
+def test_resuming_directories_written_before_identities_were_recorded(ws, tmp_path, capsys):
+    """Old manifests, run.json files and checkpoints lack the new keys: resumed with one warning
+    line each, and the keys recorded from then on."""
+    t = str(ws / "tgt")
+    feat, results, run = tmp_path / "feat", tmp_path / "results", tmp_path / "run"
+    for src, dst in ((ws / "feat", feat), (ws / "results", results), (ws / "run", run)):
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".taps.lock"))
+    _strip(feat / "manifest.json", ("target_weights", "target_dtype"))
+    _strip(results / "run.json", ("target_weights", "target_dtype"))
+    ckpt = sorted((run / "ckpt").glob("step-*"))[-1]
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["extra"]["run_settings"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+    assert main(["features", "--target", t, "--data", str(ws / "data.jsonl"), "--out", str(feat), "--dtype", "fp32",
+                 "--device", "cpu", "--target-dtype", "float32"]) == 0
+    assert "made before target_weights, target_dtype were recorded" in capsys.readouterr().err
+    assert json.loads((feat / "manifest.json").read_text())["target_weights"].startswith("sha256:")
+
+    eval_argv = [a.replace("{ws}", str(ws)) for a in EVAL] + ["--out", str(results)]
+    assert main(eval_argv) == 0
+    assert "were recorded" in capsys.readouterr().err
+    assert "target_weights" in json.loads((results / "run.json").read_text())
+
+    assert main([a.replace("{ws}", str(ws)) for a in opts(TRAIN, epochs="2", out=str(run))] + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "made before backbone" in err and "were recorded" in err
+    latest = sorted((run / "ckpt").glob("step-*"))[-1]
+    assert json.loads((latest / "state.json").read_text())["extra"]["run_settings"]["backbone"] == "eagle2"
+
+
+# ---- one writer per output ------------------------------------------------------------------
+
+def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(ws, tmp_path, capsys):
+    out = tmp_path / "f"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from taps.outlock import acquire; "
+                               f"acquire({str(out)!r}, 'features'); print('held', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["features", "--target", str(ws / "tgt"), "--data", str(ws / "data.jsonl"), "--out", str(out),
+                "--dtype", "fp32", "--device", "cpu", "--target-dtype", "float32"]
+        code, output = run_cli(argv, capsys)
+        assert code == 2 and "Traceback" not in output
+        assert f"{out}: another taps process (pid {holder.pid})" in output
+        assert not (out / "manifest.json").exists()
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs in the holder
+        holder.wait()
+    time.sleep(0.1)
+    assert main(argv) == 0  # the kernel dropped the dead holder's lock
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+
+
+def test_two_writers_in_one_process_are_refused_too(tmp_path):
+    from taps.outlock import OutputBusyError, output_lock
+
+    with output_lock(tmp_path, "results"):
+        with pytest.raises(OutputBusyError, match="another taps process"):
+            with output_lock(tmp_path, "results"):
+                pass
+    with output_lock(tmp_path, "results"):  # released: free again
+        pass
+
+
+
+def test_settings_that_cannot_change_the_content_do_not_block_a_resume(ws, tmp_path, capsys):
+    shutil.copytree(ws / "run", tmp_path / "run", ignore=shutil.ignore_patterns(".taps.lock"))
+    train = [a.replace("{ws}", str(ws)) for a in opts(TRAIN, out=str(tmp_path / "run"))]
+    assert main(train + ["--resume", "--checkpoint-steps", "1"]) == 0  # the checkpoint interval is not content
+    feat = [a.replace("{ws}", str(ws)) for a in opts(FEAT, out=str(ws / "feat"))]
+    before = snapshot(ws)
+    assert main(feat + ["--records-per-shard", "3", "--tokens-per-batch", "64"]) == 0  # finished: only read
+    eval_argv = [a.replace("{ws}", str(ws)) for a in opts(EVAL, out=str(ws / "results"))]
+    eval_argv.remove("--no-progress")
+    assert main(eval_argv) == 0  # with a progress bar this time: nothing left to decode
+    assert snapshot(ws) == before
