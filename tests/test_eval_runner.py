@@ -181,7 +181,7 @@ def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, caps
     from taps.eval.runner import run_eval_jobs
 
     target_dir, variants, specs = setup
-    run_eval(Target.load(target_dir), str(target_dir), variants[:4], QUESTIONS, tmp_path / "one", SETTINGS,
+    run_eval(Target.load(target_dir, dtype="float32"), str(target_dir), variants[:4], QUESTIONS, tmp_path / "one", SETTINGS,
              progress=False)
     total = run_eval_jobs(str(target_dir), "cpu", "float32", variants[:4], QUESTIONS, tmp_path / "two", SETTINGS,
                           jobs=2, progress=False)

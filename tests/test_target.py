@@ -128,3 +128,16 @@ def test_load_errors(tmp_path, target_dir):
         Target.load(bare)
     with pytest.raises(ValueError, match="unknown dtype"):
         Target.load(target_dir, device="cpu", dtype="int3")
+
+
+def test_auto_dtype_is_bf16_on_gpus_and_amx_cpus(monkeypatch):
+    import taps.target as target_module
+    from taps.target import resolve_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(target_module, "cpu_has_bf16_matmul", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(target_module, "cpu_has_bf16_matmul", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("float32", cpu) == torch.float32  # an explicit dtype is never overridden
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16

@@ -60,7 +60,7 @@ def positive_int(text: str) -> int:
 
 def add_device_arguments(p) -> None:
     p.add_argument("--device", type=device_arg, default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bf16 on GPUs and on CPUs with AMX, else fp32 (exact greedy identity needs float32)")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -128,7 +128,7 @@ def register_study(sub) -> None:
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
     add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
-                                                                   "GPU, fp32 on CPU)")
+                                                                   "GPUs and AMX CPUs, else fp32)")
     d.add_argument("--jobs", type=positive_int, default=1, help="worker processes (on a CPU: one per core decodes fastest)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
