@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import nullcontext
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -176,10 +177,9 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
         raise ValueError(f"variant names must be unique, got {', '.join(names)}")
     if not questions:
         raise ValueError("no questions to decode (check --bench, --limit and --category)")
-    if shard.rank == 0 and merge:  # one writer per results directory (--jobs workers write under their parent's lock)
-        with output_lock(out, "results"):
-            return _run_eval(target, target_dir, variants, questions, out, settings, shard, progress, merge)
-    return _run_eval(target, target_dir, variants, questions, out, settings, shard, progress, merge)
+    # one writer per results directory (--jobs workers write under their parent's lock)
+    with output_lock(out, "results") if shard.rank == 0 and merge else nullcontext():
+        return _run_eval(target, target_dir, variants, questions, out, settings, shard, progress, merge)
 
 
 def _run_eval(target, target_dir, variants, questions, out: Path, settings: EvalSettings, shard: Shard,
