@@ -45,8 +45,11 @@ demo: install
 		$(VENV)/bin/taps generate --target $(TINY) --drafter $(DEMO)/untrained-drafter --prompt $(QUESTION) --max-new-tokens 128 --device cpu --json; \
 	fi
 
+# `make bench`: decoding speed on the real target, every decoder interleaved (resumable: records in
+# runs/bench/decode-speed.jsonl; BENCH_ARGS="--n 10" for a shorter run)
+BENCH_ARGS ?=
 bench: install
-	$(PY) bench/decode_speed.py
+	OMP_NUM_THREADS=1 $(PY) bench/decode_speed.py $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

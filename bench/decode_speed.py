@@ -22,12 +22,17 @@ answers that differ is printed, not hidden.
 
     python bench/decode_speed.py [--target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters
         --head eagle2-mixed-large --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
-        --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data]
+        --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data
+        --out runs/bench/decode-speed.jsonl [--fresh]]
+
+Every decode is appended to --out as one JSON line, a question's decoders together: a killed run
+resumes at the next question (the settings must match), and the tables are printed from the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -42,6 +47,7 @@ from taps.config import DecodeConfig, SamplingConfig, TreeConfig  # noqa: E402
 from taps.decode import chat_ids, generate  # noqa: E402
 from taps.drafter.checkpoint import load_head  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
+from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic  # noqa: E402
 from taps.profile import auto_tree_policy  # noqa: E402
 from taps.propose.factory import LookupSpec, build_proposer  # noqa: E402
 from taps.target import Target  # noqa: E402
@@ -52,27 +58,46 @@ LOOKUP_TREE = TreeConfig(32, 10, 4)
 
 @dataclass
 class Tally:
-    tokens: int = 0
-    seconds: float = 0.0
-    calls: int = 0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    other_s: float = 0.0
-    steps: int = 0
+    """One decoder's records on one benchmark and temperature (warm-up question excluded)."""
+    records: list[dict] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # per question: tokens/s over plain's on the same question
     differ: int = 0  # greedy answers that differ from our plain decoding's
-    answers: int = 0
-    sizes: list[int] = field(default_factory=list)
 
-    def add_result(self, result) -> None:
-        self.tokens += len(result.tokens)
-        self.seconds += result.total_s
-        self.calls += result.verifier_calls
-        self.steps += len(result.steps)
-        for s in result.steps:
-            self.draft_s += s.draft_s
-            self.target_s += s.target_s
-            self.other_s += s.other_s
-            self.sizes.append(s.tree_size)
+    def total(self, key: str) -> float:
+        return sum(r[key] for r in self.records)
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = self.total("seconds")
+        return sum(len(r["tokens"]) for r in self.records) / seconds if seconds else float("nan")
+
+
+def record_of(result) -> dict:
+    """What the table needs from one of our decodes, as one JSON line."""
+    return {"tokens": result.tokens, "seconds": result.total_s, "calls": result.verifier_calls,
+            "steps": len(result.steps), "draft_s": sum(s.draft_s for s in result.steps),
+            "target_s": sum(s.target_s for s in result.steps), "other_s": sum(s.other_s for s in result.steps),
+            "sizes": [s.tree_size for s in result.steps]}
+
+
+def open_records(path: Path, settings: dict, fresh: bool) -> dict[tuple, dict]:
+    """The records of an earlier run with the same settings (a killed bench resumes question by
+    question); another run's records are refused rather than mixed in."""
+    head = path.with_suffix(".settings.json")
+    if fresh:
+        path.unlink(missing_ok=True)
+        head.unlink(missing_ok=True)
+    if head.is_file():
+        earlier = json.loads(head.read_text())
+        if earlier != settings:
+            key = next(k for k in sorted(set(earlier) | set(settings)) if earlier.get(k) != settings.get(k))
+            print(f"{path}: holds a run with {key}={earlier.get(key)!r}, this one has {settings.get(key)!r}; "
+                  f"expected the same settings to resume (give --fresh, or another --out)", file=sys.stderr)
+            sys.exit(2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(head, settings)
+    rows, _ = read_jsonl(path, repair_torn=True)
+    return {(r["bench"], r["temperature"], r["question"], r["decoder"]): r for _, r in rows}
 
 
 def hf_generate(target: Target, ids: list[int], new_tokens: int, temperature: float, seed: int,
@@ -110,6 +135,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", help="comma-separated decoder names to run (default: all)")
+    ap.add_argument("--out", default="runs/bench/decode-speed.jsonl",
+                    help="one JSON line per decode; a rerun with the same settings resumes")
+    ap.add_argument("--fresh", action="store_true", help="discard the records in --out and start over")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -137,61 +165,81 @@ def main() -> None:
         decoders = {k: v for k, v in decoders.items() if k in keep or k == "plain"}
     stops = target.stop_token_ids()
     temps = [float(t) for t in args.temperatures.split(",")]
-    tallies: dict[tuple[str, float, str], Tally] = {}
-    for bench in args.benches.split(","):
+    benches = args.benches.split(",")
+    out = Path(args.out)
+    settings = {"target": target.name, "dtype": args.dtype, "threads": args.threads, "head": args.head,
+                "math": args.math, "chat": args.chat, "new_tokens": args.new_tokens}
+    done = open_records(out, settings, args.fresh)
+    if done:
+        print(f"{out}: resuming, {len(done)} decodes already measured", file=sys.stderr)
+    for bench in benches:
         questions = load_benchmark(bench, args.data_dir, limit=args.n + 1)
         for temp in temps:
             for qi, q in enumerate(questions):
+                if all((bench, temp, qi, name) in done for name in decoders):
+                    continue
                 ids = chat_ids(target.tokenizer, [{"role": "user", "content": q.turns[0]}])
-                reference = None
-                for name, make in decoders.items():
-                    tally = tallies.setdefault((bench, temp, name), Tally())
+                rows = []
+                for name, make in decoders.items():  # interleaved: machine noise hits every decoder alike
                     seed = 1000 * qi + 7
                     if isinstance(make, str):
                         tokens, seconds = hf_generate(target, ids, args.new_tokens, temp, seed, make == "hf-lookup")
-                        if qi:
-                            tally.tokens += len(tokens)
-                            tally.seconds += seconds
-                            tally.answers += 1
-                        continue
-                    cfg = DecodeConfig(max_new_tokens=args.new_tokens, stop_token_ids=stops, seed=seed,
-                                       sampling=SamplingConfig(temp))
-                    result = generate(target, make(), ids, cfg)
-                    if name == "plain":
-                        reference = result.tokens
-                    if qi:  # the first question warms every decoder up
-                        tally.add_result(result)
-                        tally.answers += 1
-                        tally.differ += int(temp == 0 and reference is not None and result.tokens != reference)
+                        row = {"tokens": tokens, "seconds": seconds}
+                    else:
+                        cfg = DecodeConfig(max_new_tokens=args.new_tokens, stop_token_ids=stops, seed=seed,
+                                           sampling=SamplingConfig(temp))
+                        row = record_of(generate(target, make(), ids, cfg))
+                    rows.append({"bench": bench, "temperature": temp, "question": qi, "decoder": name, **row})
+                append_jsonl(out, rows)  # a whole question at once: a resumed run re-times it side by side
+                done.update({(r["bench"], r["temperature"], r["question"], r["decoder"]): r for r in rows})
                 print(f"{bench} T={temp:g} question {qi}/{len(questions) - 1} done", file=sys.stderr, flush=True)
 
     print(f"target {target.name} ({args.dtype}, {torch.get_num_threads()} thread(s)); head {args.head}; "
           f"{args.n} questions per benchmark (+1 warm-up), {args.new_tokens} new tokens; decoders interleaved per "
-          f"question")
-    for bench in args.benches.split(","):
+          f"question; records in {out}")
+    print("tok/s pools every answer; 'median x' is the median over questions of each question's tokens/s over "
+          "plain's on that question")
+    for bench in benches:
         for temp in temps:
-            plain = tallies[(bench, temp, "plain")]
-            hf = tallies.get((bench, temp, "hf-generate"))
-            base = plain.tokens / plain.seconds
-            print(f"\n{bench}, T = {temp:g}\n")
-            print("| decoder | tok/s | x plain | x hf-generate | tau | draft / target / other ms per step | "
-                  "other % | mean tree | greedy answers != plain |")
-            print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-            for name in decoders:
-                t = tallies[(bench, temp, name)]
-                tps = t.tokens / t.seconds if t.seconds else float("nan")
-                ratio_hf = tps / (hf.tokens / hf.seconds) if hf and hf.seconds else float("nan")
-                if t.steps:
-                    split = f"{1e3 * t.draft_s / t.steps:.1f} / {1e3 * t.target_s / t.steps:.1f} / " \
-                            f"{1e3 * t.other_s / t.steps:.1f}"
-                    other = 100 * t.other_s / (t.draft_s + t.target_s + t.other_s)
-                    tau = f"{t.tokens / t.calls:.2f}"
-                    size = f"{statistics.mean(t.sizes):.1f}"
-                else:
-                    split, other, tau, size = "-", float("nan"), "-", "-"
-                differ = f"{t.differ}/{t.answers}" if temp == 0 and t.steps else "-"
-                print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {ratio_hf:.2f} | {tau} | {split} | {other:.0f} | "
-                      f"{size} | {differ} |")
+            tallies = {name: Tally() for name in decoders}
+            for qi in range(1, args.n + 1):  # question 0 warmed every decoder up
+                plain = done.get((bench, temp, qi, "plain"))
+                if plain is None:
+                    continue
+                plain_tps = len(plain["tokens"]) / plain["seconds"]
+                for name, tally in tallies.items():
+                    r = done[(bench, temp, qi, name)]
+                    tally.records.append(r)
+                    tally.ratios.append(len(r["tokens"]) / r["seconds"] / plain_tps)
+                    tally.differ += int(temp == 0 and r["tokens"] != plain["tokens"])
+            print_table(bench, temp, tallies)
+
+
+def print_table(bench: str, temp: float, tallies: dict[str, Tally]) -> None:
+    base = tallies["plain"].tokens_per_s
+    hf = tallies.get("hf-generate")
+    lookup = tallies.get("hf-prompt-lookup")
+    print(f"\n{bench}, T = {temp:g} ({len(tallies['plain'].records)} questions)\n")
+    print("| decoder | tok/s | x plain | median x plain | x hf-generate | x hf-prompt-lookup | tau | "
+          "draft / target / other ms per step | other % | mean tree | greedy answers != plain |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, t in tallies.items():
+        tps = t.tokens_per_s
+        x_hf = tps / hf.tokens_per_s if hf else float("nan")
+        x_lookup = tps / lookup.tokens_per_s if lookup else float("nan")
+        median = statistics.median(t.ratios) if t.ratios else float("nan")
+        steps = t.total("steps") if t.records and "steps" in t.records[0] else 0
+        if steps:
+            draft, target, other = (t.total(k) for k in ("draft_s", "target_s", "other_s"))
+            split = f"{1e3 * draft / steps:.1f} / {1e3 * target / steps:.1f} / {1e3 * other / steps:.1f}"
+            other_pct = f"{100 * other / (draft + target + other):.0f}"
+            tau = f"{sum(len(r['tokens']) for r in t.records) / t.total('calls'):.2f}"
+            size = f"{statistics.mean(s for r in t.records for s in r['sizes']):.1f}"
+        else:
+            split, other_pct, tau, size = "-", "-", "-", "-"
+        differ = f"{t.differ}/{len(t.records)}" if temp == 0 else "-"
+        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {median:.2f} | {x_hf:.2f} | {x_lookup:.2f} | {tau} | "
+              f"{split} | {other_pct} | {size} | {differ} |")
 
 
 if __name__ == "__main__":
