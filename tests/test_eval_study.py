@@ -1,4 +1,4 @@
-"""Study configs: both shipped configs parse and dry-run; templates expand; bad keys are named; a
+"""Study configs: the shipped configs parse and dry-run; templates expand; bad keys are named; a
 toy study runs every stage (target, drafters, eval, report) end to end in seconds."""
 
 from __future__ import annotations
@@ -42,30 +42,13 @@ def test_paper_config_parses_and_dry_runs(capsys):
     assert "hass-merged: merge" in out
 
 
-def test_tiny_config_parses():
-    study = load_study(REPO / "configs" / "tiny.yaml")
-    assert study.target == Path("models/taps-tiny/target")
-    assert len([v for v in study.variants if v.name.startswith("hass-")]) == 10 + 4  # paper 7 + 3 extra + the 4-lambda sweep
-    assert any("target: models/taps-tiny/target exists" in line for line in plan(study))
-    assert study.drafter_jobs == 2 and study.drafter_recipe["epochs"] == 4  # the shipped heads' recipe
-
-
-def test_tiny_config_rebuilds_the_shipped_target_stage_by_stage():
-    """target.build of configs/tiny.yaml is the recipe the shipped target's records say it was built by."""
-    from dataclasses import asdict
-
-    from taps.tiny.target_recipe import TargetRecipe
-
-    study = load_study(REPO / "configs" / "tiny.yaml")
-    shipped = REPO / "models" / "taps-tiny"
-    records = [shipped / "records" / "v6-recipe.json", shipped / "records" / "v6u-recipe.json",
-               shipped / "target" / "recipe.json"]
-    assert len(study.target_build) == len(records)
-    for stage, record in zip(study.target_build, records):
-        built = json.loads(record.read_text())["recipe"]
-        ours = asdict(TargetRecipe(**stage))
-        for key in set(ours) - {"data_dir", "init_from", "extra"}:
-            assert ours[key] == built[key], f"{record.name}: {key}"
+def test_smollm2_config_parses():
+    study = load_study(REPO / "configs" / "smollm2.yaml")
+    assert str(study.target) == "smollm2-135m-instruct"
+    assert len([v for v in study.variants if v.name.startswith("hass-")]) == 10 + 2  # paper 7 + 3 extra + 2 lambdas
+    assert any("target: smollm2-135m-instruct exists" in line for line in plan(study))
+    recipe = study.drafter_recipe
+    assert recipe["regenerate"] and recipe["draft_vocab"] == 8192 and recipe["n_per_domain"] == 2000
 
 
 def test_templates_and_bad_keys():
@@ -111,13 +94,12 @@ def data_dir(tmp_path_factory):
 
 
 def test_toy_study_runs_every_stage(tmp_path, data_dir):
+    from taps.testing import write_tiny_target
+
     out = tmp_path / "study"
     config = {
         "name": "toy", "out": str(out),
-        "target": {"path": str(out / "target"), "build": dict(
-            chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", vocab_size=300, hidden_size=32, layers=1, heads=2,
-            kv_heads=2, intermediate_size=64, max_positions=256, seq_len=32, batch_size=4, steps=4, warmup=1,
-            eval_every=2, ckpt_every=2, eval_blocks=2, holdout_frac=0.1, tokenizer_chars=100_000)},
+        "target": {"path": str(write_tiny_target(out / "target", "llama", seed=0))},
         "drafters": {"out": str(out / "drafters"), "recipe": dict(
             chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}", n_per_domain=6, max_len=48, epochs=1, batch_size=4,
             warmup_steps=1, backbones=["eagle2"])},
@@ -150,7 +132,7 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.testing import write_tiny_target
 
     target = write_tiny_target(tmp_path / "m" / "target")
-    with pytest.raises(FileNotFoundError, match="taps tiny build-drafters"):
+    with pytest.raises(FileNotFoundError, match="train them with `taps reproduce`"):
         demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
     for domain in ("chat", "math", "mixed-small", "mixed-large"):
         write_untrained(target, tmp_path / "m" / "drafters" / f"hass-{domain}", seed=1)
@@ -167,55 +149,6 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert (small.settings.tree.total_tokens, small.settings.tree.top_k) == (16, 4)
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, 2, 16)
-
-
-TOY_TARGET = dict(vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=2, intermediate_size=64,
-                  max_positions=256, seq_len=32, batch_size=4, steps=4, warmup=1, eval_every=2, ckpt_every=2,
-                  eval_blocks=2, holdout_frac=0.1, tokenizer_chars=100_000)
-
-
-def test_target_build_in_stages_chains_and_inherits(tmp_path, data_dir):
-    base = {"name": "x", "out": str(tmp_path / "study"), "target": {"path": str(tmp_path / "study" / "target")},
-            "drafters": {"out": "d"}, "variants": {"baseline": "baseline"}}
-    first = {"chat_source": f"sharegpt:{data_dir / 'sharegpt.json'}", **TOY_TARGET}
-    stages = [first, {"steps": 3, "lr": 5e-4, "unlikelihood": 1.0}]
-    study = study_from_dict({**base, "target": {**base["target"], "build": stages}}, "cfg", str(data_dir))
-    assert study.target_build[1]["hidden_size"] == 32 and study.target_build[1]["steps"] == 3  # inherited, changed
-    assert study.target_build[0]["steps"] == 4 and "unlikelihood" not in study.target_build[0]
-    assert "2 stage(s)" in "\n".join(plan(study, ("target",)))
-    with pytest.raises(StudyConfigError, match=r"target.build\[1\]: init_from is set by the study"):
-        study_from_dict({**base, "target": {"path": "t", "build": [first, {"init_from": "elsewhere"}]}})
-    with pytest.raises(StudyConfigError, match=r"target.build\[1\]: unknown key.*step"):
-        study_from_dict({**base, "target": {"path": "t", "build": [first, {"step": 3}]}})
-    with pytest.raises(StudyConfigError, match="target.build: expected a mapping"):
-        study_from_dict({**base, "target": {"path": "t", "build": "steps=3"}})
-
-    run_study(study, stages=("target",), progress=False)
-    stage1 = tmp_path / "study" / "work" / "target" / "stage-1" / "out"
-    done1 = json.loads((stage1 / "recipe.json").read_text())
-    done = json.loads((study.target / "recipe.json").read_text())
-    assert done["recipe"]["init_from"] == str(stage1) and done["recipe"]["unlikelihood"] == 1.0
-    assert done["tokens_seen_total"] == done1["tokens_seen"] + 3 * 4 * 32  # the second stage continued the first
-    # a rerun after the final target was removed trains only the last stage again
-    mtime = (stage1 / "model.safetensors").stat().st_mtime_ns
-    (study.target / "config.json").unlink()
-    assert any("stage 1" in line and "done, kept" in line for line in plan(study, ("target",)))
-    run_study(study, stages=("target",), progress=False)
-    assert (stage1 / "model.safetensors").stat().st_mtime_ns == mtime and (study.target / "config.json").is_file()
-
-
-def test_tiny_config_retrains_the_shipped_drafters_by_their_recipe():
-    from dataclasses import asdict
-
-    from taps.train.family import DrafterRecipe
-
-    study = load_study(REPO / "configs" / "tiny.yaml")
-    built = json.loads((REPO / "models" / "taps-tiny" / "drafters" / "drafters.json").read_text())["recipe"]
-    ours = asdict(DrafterRecipe(**study.drafter_recipe))
-    defaults = asdict(DrafterRecipe())
-    for key in set(ours) - {"data_dir", "backbones", "domains"}:  # the last run named a subset of the heads
-        # a field added after the heads were built must keep its default (what they were built with)
-        assert ours[key] == built.get(key, defaults[key]), key
 
 
 def test_demo_on_a_models_directory_named_after_a_known_target(tmp_path):

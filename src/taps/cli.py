@@ -129,6 +129,46 @@ def _add_drafter(sub) -> None:
     reduce.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size, 1..V")
     reduce.add_argument("--out", required=True, help="output drafter directory")
     reduce.set_defaults(func=_drafter_reduce_vocab)
+    table = dsub.add_parser("table", help="acceptance length of every drafter of a directory on GSM8K-test and "
+                                          "MT-Bench first turns (a model card's table)")
+    table.add_argument("--target", required=True, help="the target the drafters were trained for")
+    table.add_argument("--drafters", required=True, help="directory of drafter directories (<name>/model.safetensors)")
+    table.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+                                          "else the Hugging Face hub)")
+    table.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
+    table.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    table.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap per question")
+    table.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun "
+                                                    "measures only new or retrained drafters")
+    table.add_argument("--jobs", type=positive_int, default=1, help="measure this many drafters at once, in separate "
+                                                          "processes (on a CPU: one per core); the same rows")
+    table.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="the target's and heads' dtype (bf16: the fast path on AMX CPUs and GPUs)")
+    table.set_defaults(func=_drafter_table)
+
+
+def _drafter_table(args) -> int:
+    import os
+    from pathlib import Path
+
+    from taps.eval.drafter_table import to_markdown, update_table
+    from taps.target import Target
+
+    try:
+        temps = tuple(float(x) for x in args.temperatures.split(","))
+    except ValueError:
+        raise ValueError(f"--temperatures expects comma-separated numbers, got {args.temperatures!r}") from None
+    root = Path(args.drafters)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--drafters {root}: no such directory")
+    drafters = {p.name: p for p in sorted(root.iterdir()) if (p / "model.safetensors").is_file()}
+    if not drafters:
+        raise FileNotFoundError(f"{root}: no drafter directories (<name>/model.safetensors)")
+    data_dir = args.data_dir or os.environ.get("TAPS_DATA_DIR")
+    table = update_table(Target.load(args.target, device="cpu", dtype=args.dtype), drafters, data_dir, args.out,
+                         args.n, temps, args.max_new_tokens, jobs=args.jobs, target_dir=args.target)
+    print(to_markdown(table, temps))
+    return 0
 
 
 def _drafter_init(args) -> int:
@@ -234,13 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     from taps.data import commands as data_commands
     from taps.eval import commands as eval_commands
     from taps.propose import commands as propose_commands
-    from taps.tiny import commands as tiny_commands
     from taps.train import commands as train_commands
 
     data_commands.register(sub)
     propose_commands.register(sub)
     train_commands.register(sub)
-    tiny_commands.register(sub)
     eval_commands.register(sub)
     eval_commands.register_study(sub)
     from taps.eval import report

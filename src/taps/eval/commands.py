@@ -109,7 +109,7 @@ def register_study(sub) -> None:
     """`taps reproduce CONFIG` and `taps demo`."""
     r = sub.add_parser("reproduce", help="run a whole study from a YAML config: target, drafters, eval, report",
                        formatter_class=DefaultsHelpFormatter)
-    r.add_argument("config", help="study config, e.g. configs/tiny.yaml")
+    r.add_argument("config", help="study config, e.g. configs/smollm2.yaml")
     r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
                                       "else $TAPS_DATA_DIR)")
     r.add_argument("--stages", default=",".join(_stages()), help="comma-separated subset of the stages, in order")
@@ -119,7 +119,9 @@ def register_study(sub) -> None:
 
     d = sub.add_parser("demo", help="a small study on the embedded default: every variant of both backbones",
                        formatter_class=DefaultsHelpFormatter)
-    d.add_argument("--models", default="models/taps-tiny", help="the embedded default (target/ and drafters/)")
+    d.add_argument("--models", default="models/smollm2-135m-instruct",
+                   help="the embedded default: drafters/ (and target/, unless the directory is named after a "
+                        "known target)")
     d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "

@@ -1,9 +1,9 @@
 """A whole study as one config: target -> drafters -> evaluation -> report (`taps reproduce`).
 
-    name: tiny
-    out: runs/study-tiny               # results/, report/ and work/ go here
+    name: smollm2
+    out: runs/study-smollm2            # results/, report/ and work/ go here
     data_dir: null                     # else --data-dir / $TAPS_DATA_DIR
-    target: {path: DIR, build: {...}}  # build: taps.tiny TargetRecipe fields, run if DIR is missing
+    target: {path: T}                  # a model directory, a .gguf file or a known name (taps.target_source)
     drafters: {out: DIR, recipe: {...}}  # recipe: DrafterRecipe fields; without it DIR must hold the heads
     backbones: [eagle2, hass]          # expands "{backbone}" in variant names and specs
     lambdas: [0.1, 0.5, 0.9]           # expands "{lambda}" (the averaging sweep)
@@ -64,9 +64,8 @@ class Study:
     benches: list[str]
     settings: EvalSettings
     data_dir: str | None = None
-    target_build: list[dict] | None = None  # TargetRecipe fields of each stage; each continues the one before
     drafter_recipe: dict | None = None  # DrafterRecipe fields
-    drafter_jobs: int = 1  # heads trained at once (taps tiny build-drafters --jobs)
+    drafter_jobs: int = 1  # heads trained at once, one process each
     limit: int | None = None
     categories: list[str] | None = None
     device: str = "auto"
@@ -105,35 +104,6 @@ def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
     return dict(_check_keys(where, mapping, names))
 
 
-def _target_stages(where: str, build, recipe_cls) -> list[dict] | None:
-    """target.build: one recipe, or a list of stages. A later stage continues training the one before
-    (its init_from is set by the study) and repeats only the fields it changes: the rest are inherited."""
-    if build is None:
-        return None
-    if isinstance(build, dict):
-        return [_recipe_fields(where, build, recipe_cls)]
-    if not isinstance(build, list) or not build:
-        raise StudyConfigError(f"{where}: expected a mapping of recipe fields or a non-empty list of them, "
-                               f"got {type(build).__name__}")
-    stages: list[dict] = []
-    for i, stage in enumerate(build):
-        fields_i = _recipe_fields(f"{where}[{i}]", stage, recipe_cls)
-        if i > 0 and "init_from" in fields_i:
-            raise StudyConfigError(f"{where}[{i}]: init_from is set by the study (stage {i} continues stage "
-                                   f"{i - 1}); only the first stage may name one")
-        stages.append({**(stages[-1] if stages else {}), **fields_i})
-    return stages
-
-
-def target_stage_dirs(study: "Study") -> list[tuple[Path, Path]]:
-    """(out, work) of each target stage: the last one's out is the study's target."""
-    n = len(study.target_build or [])
-    if n == 1:
-        return [(study.target, study.work / "target")]
-    return [(study.target if i == n else study.work / "target" / f"stage-{i}" / "out",
-             study.work / "target" / f"stage-{i}") for i in range(1, n + 1)]
-
-
 def target_exists(study: "Study") -> bool:
     """The study's target is there to use: a model directory, or a GGUF file or known name
     (taps.target_source) that loads without building anything."""
@@ -142,12 +112,6 @@ def target_exists(study: "Study") -> bool:
     from taps.target_source import find_gguf
 
     return find_gguf(str(study.target)) is not None  # a known name whose package is missing says how to install it
-
-
-def _kept_stage(study: "Study", out: Path) -> bool:
-    """An earlier stage an earlier run finished (recipe.json is written last); the final stage is
-    judged by the study's target instead."""
-    return out != study.target and (out / "recipe.json").is_file()
 
 
 def _fill(text: str, values: dict[str, str | None]) -> str:
@@ -193,14 +157,13 @@ def expand_variants(templates: dict, backbones: list[str], lambdas: list[float],
 
 def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None = None) -> Study:
     from taps.train.family import DrafterRecipe
-    from taps.tiny.target_recipe import TargetRecipe
 
     top = _check_keys(source, config, {"name", "out", "data_dir", "target", "drafters", "backbones", "lambdas",
                                        "variants", "eval"})
     for key in ("name", "out", "target", "drafters", "variants"):
         if key not in top:
             raise StudyConfigError(f"{source}: missing key {key!r}")
-    target = _check_keys(f"{source}: target", top["target"], {"path", "build"})
+    target = _check_keys(f"{source}: target", top["target"], {"path"})
     drafters = _check_keys(f"{source}: drafters", top["drafters"], {"out", "recipe", "jobs"})
     jobs = drafters.get("jobs", 1)
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -234,7 +197,6 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
                  variants=variants, benches=list(benches), settings=settings,
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
-                 target_build=_target_stages(f"{source}: target.build", target.get("build"), TargetRecipe),
                  drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
                  drafter_jobs=jobs,
                  limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
@@ -260,13 +222,8 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
     if "target" in stages:
         if target_exists(study):
             lines.append(f"target: {study.target} exists, used as is")
-        elif study.target_build is not None:
-            lines.append(f"target: build the tiny target into {study.target} in {len(study.target_build)} stage(s)")
-            for i, ((out, _), stage) in enumerate(zip(target_stage_dirs(study), study.target_build), 1):
-                state = "done, kept" if _kept_stage(study, out) else "to train"
-                lines.append(f"  stage {i} -> {out} ({state}): {stage}")
         else:
-            lines.append(f"target: {study.target} is MISSING and the config has no target.build")
+            lines.append(f"target: {study.target} is MISSING (a model directory, a .gguf file or a known name)")
     if "drafters" in stages:
         if study.drafter_recipe is not None:
             lines.append(f"drafters: train into {study.drafters} (resumable; finished heads skipped): "
@@ -293,19 +250,13 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))}; expected {', '.join(STAGES)}")
-    if "target" in stages and not target_exists(study):
-        if study.target_build is None:
-            raise FileNotFoundError(f"{study.source}: target {study.target} does not exist and there is no "
-                                    "target.build to make it")
-        from taps.tiny.target_recipe import TargetRecipe, build_target
+    if "target" in stages:
+        if not target_exists(study):
+            raise FileNotFoundError(f"{study.source}: target {study.target} does not exist: name a model directory, "
+                                    "a .gguf file or a known name")
+        from taps.target_source import resolve_target
 
-        previous = None
-        for stage, (out, work) in zip(study.target_build, target_stage_dirs(study)):
-            if _kept_stage(study, out):
-                previous = out
-                continue
-            chained = {"init_from": str(previous)} if previous is not None else {}
-            previous = build_target(TargetRecipe(data_dir=study.data_dir, **{**stage, **chained}), out, work)
+        resolve_target(str(study.target))  # a GGUF target is converted into the cache once, here
     if "drafters" in stages and study.drafter_recipe is not None:
         from taps.train.family import DrafterRecipe, build_drafters
 
@@ -369,7 +320,8 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
             print(f"taps demo: {b} left out, {drafters} lacks {', '.join(f'{b}-{d}' for d in missing[b])}")
     if not backbones:
         raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
-                                f"build them with `taps tiny build-drafters --target {target} --out {drafters} ...`")
+                                f"train them with `taps reproduce` (a config with drafters.recipe, e.g. "
+                                f"configs/smollm2.yaml)")
     config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
