@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from taps.cli_args import add_device_arguments, add_tree_arguments, positive_int, tree_shape
+from taps.cli_args import DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int, tree_shape
 
 
 def _ids(text: str) -> list[int]:
@@ -130,7 +130,8 @@ def _add_drafter(sub) -> None:
     reduce.add_argument("--out", required=True, help="output drafter directory")
     reduce.set_defaults(func=_drafter_reduce_vocab)
     table = dsub.add_parser("table", help="acceptance length of every drafter of a directory on GSM8K-test and "
-                                          "MT-Bench first turns (a model card's table)")
+                                          "MT-Bench first turns (a model card's table)",
+                            formatter_class=DefaultsHelpFormatter)
     table.add_argument("--target", required=True, help="the target the drafters were trained for")
     table.add_argument("--drafters", required=True, help="directory of drafter directories (<name>/model.safetensors)")
     table.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
