@@ -108,7 +108,8 @@ def test_demo_moves_an_earlier_defaults_results_aside(tmp_path, monkeypatch, cap
     mismatch, or a directory the user named, keeps the refusal."""
     from types import SimpleNamespace
 
-    from taps.eval import report, study
+    from taps import study
+    from taps.eval import report
     from taps.eval.runner import ResultsMismatchError
 
     monkeypatch.chdir(tmp_path)

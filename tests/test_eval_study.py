@@ -10,7 +10,7 @@ import pytest
 
 from taps.cli import main
 from taps.eval.metrics import load_results
-from taps.eval.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
+from taps.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
                              study_from_dict)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_toy_study_runs_every_stage(tmp_path, data_dir):
 
 def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.drafter.checkpoint import write_untrained
-    from taps.eval.study import demo_study
+    from taps.study import demo_study
     from taps.testing import write_tiny_target
 
     target = write_tiny_target(tmp_path / "m" / "target")
@@ -154,7 +154,7 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
 def test_demo_on_a_models_directory_named_after_a_known_target(tmp_path):
     """models/smollm2-135m-instruct holds only drafters: the target is the installed package's GGUF file."""
     from taps.drafter.checkpoint import write_untrained
-    from taps.eval.study import demo_study
+    from taps.study import demo_study
 
     models = tmp_path / "smollm2-135m-instruct"
     for domain in ("chat", "math", "mixed-small", "mixed-large"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from taps.config import DEVICE_PATTERN
+
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
@@ -33,9 +35,6 @@ def tree_shape(args) -> tuple[int, int, int]:
         raise ValueError(f"--depth {depth} needs --total-tokens above it (root + one node per level); "
                          f"got --total-tokens {total}")
     return total, depth, top_k
-
-
-DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
 
 
 def device_arg(text: str) -> str:

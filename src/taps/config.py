@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# --device values (checked by the CLI when parsed and by Target.load): auto, cpu, cuda, cuda:N, mps, xpu
+DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
+
 
 @dataclass(frozen=True)
 class TreeConfig:

@@ -37,7 +37,7 @@ def resolve_device(device: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import re
 
-    from taps.cli_args import DEVICE_PATTERN
+    from taps.config import DEVICE_PATTERN
 
     if not re.fullmatch(DEVICE_PATTERN, device):
         raise ValueError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")

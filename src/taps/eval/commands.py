@@ -62,19 +62,6 @@ def register(sub) -> None:
     p.set_defaults(func=_eval)
 
 
-def load_target_for_eval(path: str, device: str, dtype: str):
-    """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
-    import os
-
-    from taps.target import Target
-
-    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import PartialState
-
-        device = str(PartialState().device)
-    return Target.load(path, device=device, dtype=dtype)
-
-
 def settings_from(args):
     from taps.config import TreeConfig
     from taps.eval.runner import EvalSettings
@@ -85,7 +72,7 @@ def settings_from(args):
 
 def _eval(args) -> int:
     from taps.eval.benchmarks import load_benchmark, parse_bench_list
-    from taps.eval.runner import run_eval
+    from taps.eval.runner import load_target_for_eval, run_eval
 
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
@@ -143,15 +130,13 @@ NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
 
 
 def _stages() -> tuple[str, ...]:
-    from taps.eval.study import STAGES
+    from taps.study import STAGES
 
     return STAGES
 
 
 def _reproduce(args) -> int:
-    from taps.eval.study import load_study, plan, run_study
-
-    from taps.eval.study import STAGES
+    from taps.study import STAGES, load_study, plan, run_study
 
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     unknown = [s for s in stages if s not in STAGES]
@@ -174,7 +159,7 @@ def _demo(args) -> int:
 
     from taps.eval.report import terminal_summary
     from taps.eval.runner import ResultsMismatchError
-    from taps.eval.study import demo_study, run_study
+    from taps.study import demo_study, run_study
 
     total_tokens, depth, top_k = tree_shape(args)
     tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k,

@@ -222,6 +222,17 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     return len(units)
 
 
+def load_target_for_eval(path: str, device: str, dtype: str):
+    """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
+    from taps.target import Target
+
+    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        device = str(PartialState().device)
+    return Target.load(path, device=device, dtype=dtype)
+
+
 def _eval_worker(target_spec: str, device: str, dtype: str, variants, questions, out: str, settings: EvalSettings,
                  shard: Shard, progress: bool, threads: int) -> None:
     import torch

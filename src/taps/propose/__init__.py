@@ -1,9 +1,6 @@
 """Proposers: one drafter (single.py), or compositions of several: routing (routed.py) and merged
-trees (merged.py). factory.py maps strategy names to them."""
+trees (merged.py). factory.py maps strategy names to them. base.py holds the Proposer protocol,
+the only thing the decoding core (decode.py) knows about drafting.
 
-from taps.propose.base import Proposer
-from taps.propose.merged import MergedProposer
-from taps.propose.routed import RoutedProposer
-from taps.propose.single import SingleProposer
-
-__all__ = ["MergedProposer", "Proposer", "RoutedProposer", "SingleProposer"]
+This package file imports nothing: importing the protocol (taps.propose.base) must not load
+every proposer (tests/test_import_graph.py)."""

@@ -1,5 +1,8 @@
 """A whole study as one config: target -> drafters -> evaluation -> report (`taps reproduce`).
 
+The pipeline, and the only module that knows every layer below it (data, training, evaluation);
+only the CLI sits above it (tests/test_import_graph.py, docs/architecture.md).
+
     name: smollm2
     out: runs/study-smollm2            # results/, report/ and work/ go here
     data_dir: null                     # else --data-dir / $TAPS_DATA_DIR
@@ -265,8 +268,7 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
         build_drafters(recipe, study.target, study.drafters, study.work / "drafters", jobs=study.drafter_jobs)
     if "eval" in stages:
         from taps.eval.benchmarks import load_benchmark
-        from taps.eval.commands import load_target_for_eval
-        from taps.eval.runner import run_eval
+        from taps.eval.runner import load_target_for_eval, run_eval
 
         questions = [q for name in study.benches
                      for q in load_benchmark(name, study.data_dir, limit=study.limit, categories=study.categories)]
@@ -291,7 +293,7 @@ def _embedded(models: str | Path) -> Path:
     models = Path(models)
     if models.is_dir() or models.is_absolute():
         return models
-    beside_repo = Path(__file__).resolve().parents[3] / models
+    beside_repo = Path(__file__).resolve().parents[2] / models
     return beside_repo if beside_repo.is_dir() else models
 
 
