@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from taps.data import commands
-from taps.data.mix import mix_sources, parse_count, write_jsonl
+from taps.data.mix import mix_sources, parse_count
+from taps.jsonl import write_jsonl
 from taps.data.sources import SourceSpecError, read_messages
 
 

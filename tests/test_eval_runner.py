@@ -132,7 +132,7 @@ def test_rerun_after_a_drafter_is_retrained_in_place_is_refused(tmp_path, setup)
 def test_malformed_results_line_is_named(tmp_path, setup):
     target_dir, variants, _ = setup
     (tmp_path / "records.jsonl").write_text('{"variant": "base"}\nnot json\n')
-    with pytest.raises(ValueError, match="line 1"):
+    with pytest.raises(ValueError, match=r"records\.jsonl: line 2: invalid JSON"):
         run_eval(Target.load(target_dir), str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, SETTINGS,
                  progress=False)
 

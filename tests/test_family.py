@@ -96,7 +96,7 @@ def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypat
 def test_regenerated_data_keeps_the_drawn_order(tmp_path, data_dir, target_dir):
     """With regenerate, the target answers every drawn prompt (batched), the answers go back in the
     drawn order (so mixed-small's prefixes stay a random draw), and the features are built from them."""
-    from taps.data.features import read_records
+    from taps.data.features import read_conversations
     from taps.data.regenerate import RegenerateSettings, regenerate
     from taps.train.family import DrafterRecipe, build_drafters
 
@@ -108,12 +108,12 @@ def test_regenerated_data_keeps_the_drawn_order(tmp_path, data_dir, target_dir):
     assert set(summary["drafters"]) == {"eagle2-math", "eagle2-mixed-small"}
     work = tmp_path / "work"
     for domain, limit in (("chat", 5), ("math", 6)):
-        drawn, trained = read_records(work / f"{domain}.jsonl"), read_records(work / f"{domain}.train.jsonl")
+        drawn, trained = read_conversations(work / f"{domain}.jsonl"), read_conversations(work / f"{domain}.train.jsonl")
         assert [r["id"] for r in trained] == [r["id"] for r in drawn]
         target = Target.load(target_dir, device="cpu", dtype="float32")
         one = tmp_path / f"{domain}-one.jsonl"
         regenerate(target, work / f"{domain}.jsonl", one, RegenerateSettings(max_new_tokens=limit), progress=None)
-        by_id = {r["id"]: r["conversations"] for r in read_records(one)}
+        by_id = {r["id"]: r["conversations"] for r in read_conversations(one)}
         assert all(r["conversations"] == by_id[r["id"]] for r in trained)  # the target's own greedy answers
         manifest = json.loads((work / f"features-{domain}" / "manifest.json").read_text())
         assert manifest["data_file"].endswith(f"{domain}.train.jsonl")

@@ -118,3 +118,16 @@ def test_feature_set_concatenates_prefixes(tmp_path, target):
         both[9]
     with pytest.raises(FeaturesError, match="first 9 records, it has 8"):
         FeatureSet.from_specs(f"{tmp_path / 'fa'}:9")
+
+
+def test_records_keep_unicode_line_separators(tmp_path):
+    """A data file written by taps data mix holds U+2028 / U+0085 raw inside strings (json.dumps with
+    ensure_ascii=False); the reader splits lines at newlines only, like every reader of taps.jsonl."""
+    from taps.data.features import read_conversations
+    from taps.jsonl import write_jsonl
+
+    record = {"id": "u", "source": "s", "conversations": [{"role": "user", "content": "a\u2028b\u0085c"},
+                                                          {"role": "assistant", "content": "d"}]}
+    path = write_jsonl([record], tmp_path / "u.jsonl")
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    assert read_conversations(path) == [record]

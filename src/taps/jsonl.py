@@ -1,8 +1,15 @@
-"""JSON-lines files that long jobs append to and resume from.
+"""Every JSON and JSON-lines file the package reads or writes goes through here.
 
-A record is appended in one write and fsync'ed, so a crash leaves at most one torn last line
-(no trailing newline). Readers name the file and line of anything malformed; only the writer
-that is about to append cuts a torn last line off, never a complete one.
+Two kinds of JSONL file:
+- whole files (data sets, benchmark questions): read_json_lines reads every non-blank line;
+  write_jsonl writes one atomically (a temporary file, fsync, rename).
+- logs that long jobs append to and resume from (results, regenerated answers): append_jsonl
+  appends records in one write and fsyncs, so a crash leaves at most one torn last line (no
+  trailing newline); read_jsonl skips it, and only the writer about to append cuts it off
+  (repair_torn=True), never a complete line.
+A bad line is an error naming the file and line (`PATH:N: invalid JSON (...)`, or with
+`at=LINE_WORD`, `PATH: line N: ...`); a file that is not UTF-8 names the line and column.
+write_json_atomic writes a whole JSON document (manifests, summaries) via a rename.
 """
 
 from __future__ import annotations
@@ -11,6 +18,10 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+AT_COLON = "{path}:{line}"  # how a bad line is named: PATH:N (the default) or PATH: line N
+LINE_WORD = "{path}: line {line}"
 
 
 class JsonlFormatError(ValueError):
@@ -29,9 +40,28 @@ def decode_utf8(data: bytes, path: str | Path) -> str:
                                "expected a UTF-8 file") from None
 
 
-def text_lines(path: str | Path) -> list[tuple[int, str]]:
-    """(line number, line) of a UTF-8 text file (see decode_utf8)."""
-    return list(enumerate(decode_utf8(Path(path).read_bytes(), path).splitlines(), 1))
+def parse_json_line(line: str | bytes, where: str, error: type[ValueError] = JsonlFormatError) -> Any:
+    """The JSON value of one line; bad JSON raises `error` naming `where` (the file and line)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: invalid JSON ({err.msg} at column {err.colno}); expected one JSON object per line") \
+            from None
+
+
+def json_lines(text: str, path: str | Path, error: type[ValueError] = JsonlFormatError,
+               at: str = AT_COLON) -> list[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a whole JSONL text. Lines end at "\n" only:
+    str.splitlines would also cut at U+2028 or U+0085, which JSON strings may hold raw (json.dumps
+    with ensure_ascii=False writes them so)."""
+    return [(number, parse_json_line(line, at.format(path=path, line=number), error))
+            for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+def read_json_lines(path: str | Path, error: type[ValueError] = JsonlFormatError,
+                    at: str = AT_COLON) -> list[tuple[int, Any]]:
+    """json_lines of a whole UTF-8 file (see decode_utf8)."""
+    return json_lines(decode_utf8(Path(path).read_bytes(), path), path, error, at)
 
 
 def read_jsonl(path: str | Path, repair_torn: bool = False) -> tuple[list[tuple[int, dict]], bool]:
@@ -52,12 +82,10 @@ def read_jsonl(path: str | Path, repair_torn: bool = False) -> tuple[list[tuple[
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json_line(line, LINE_WORD.format(path=path, line=lineno))
         except UnicodeDecodeError as err:
             raise JsonlFormatError(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
                                    f"{err.start + 1}); expected a UTF-8 file") from None
-        except json.JSONDecodeError as err:
-            raise JsonlFormatError(f"{path}: line {lineno} is not valid JSON ({err})") from None
         if not isinstance(obj, dict):
             raise JsonlFormatError(f"{path}: line {lineno} is a JSON {type(obj).__name__}, expected an object")
         rows.append((lineno, obj))
@@ -84,6 +112,24 @@ def append_jsonl(path: str | Path, objects: Iterable[dict]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
+    """One JSON record per line, written to a temporary file beside the target and moved into place,
+    so an interrupted run never leaves a half-written file under the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -130,21 +130,10 @@ class DraftTree:
     def prune_depth(self, max_depth: int) -> "DraftTree":
         """Keep only nodes with depth <= max_depth (used near max_new_tokens / the context end)."""
         depth = self.depth()
-        keep = (depth <= max_depth).nonzero().squeeze(-1)
+        keep = (depth <= max_depth).nonzero().squeeze(-1)  # sorted; a node's parent is shallower, so kept too
         if keep.numel() == self.size:
             return self
-        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.parents.device)
-        remap[keep] = torch.arange(keep.numel(), device=self.parents.device)
-        old_parents = self.parents[keep]
-        new_parents = torch.where(old_parents >= 0, remap[old_parents.clamp(min=0)], old_parents)
-        return DraftTree(
-            tokens=self.tokens[keep],
-            parents=new_parents,
-            logp=self.logp[keep],
-            entropy=self.entropy[keep],
-            source=self.source[keep],
-            sources=None if self.sources is None else self.sources[keep],
-        )
+        return keep_nodes(self, keep)
 
 
 def additive_mask(

@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _mix(args: argparse.Namespace) -> int:
-    from taps.data.mix import mix_sources, write_jsonl
+    from taps.data.mix import mix_sources
+    from taps.jsonl import write_jsonl
 
     records = mix_sources(args.source, args.seed, data_dir=args.data_dir, english=args.english, on_report=print)
     out = write_jsonl(records, args.out)

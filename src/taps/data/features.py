@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from taps.data.chat import encode_conversation
 from taps.identity import MismatchError, check_same
+from taps.jsonl import read_json_lines, write_json_atomic
 from taps.outlock import output_lock
 
 MANIFEST = "manifest.json"
@@ -42,19 +43,11 @@ class FeaturesError(ValueError):
     pass
 
 
-def read_records(path: str | Path) -> list[dict]:
+def read_conversations(path: str | Path) -> list[dict]:
     """Our normalised JSONL ({"id", "source", "conversations": [{"role", "content"}]}), one per line."""
-    from taps.jsonl import text_lines
-
     path = Path(path)
     records = []
-    for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise FeaturesError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+    for lineno, record in read_json_lines(path, FeaturesError):
         if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
             raise FeaturesError(f"{path}:{lineno}: expected an object with a 'conversations' list")
         records.append(record)
@@ -69,12 +62,6 @@ def file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return "sha256:" + h.hexdigest()[:32]
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -115,7 +102,7 @@ def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_r
     if missing:  # a manifest written before they were recorded: record them from now on
         manifest.update({k: fresh[k] for k in missing})
         try:
-            _write_json_atomic(path, manifest)
+            write_json_atomic(path, manifest)
         except OSError:
             pass  # a read-only features directory is still readable
     return manifest
@@ -139,7 +126,7 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
     if settings.dtype not in _DTYPES:
         raise FeaturesError(f"unknown dtype {settings.dtype!r}; expected one of {', '.join(_DTYPES)}")
     data, out = Path(data), Path(out)
-    records = read_records(data)
+    records = read_conversations(data)
     if out.exists() and not out.is_dir():
         raise FeaturesError(f"--out {out}: is a file; expected a features directory")
     manifest_path = out / MANIFEST
@@ -188,7 +175,7 @@ def _extract(target, data: Path, out: Path, records: list[dict], settings: Featu
         sources.update(str(r.get("source", "unknown")) for r in chunk)
         manifest["sources"] = dict(sources)
         manifest["complete"] = manifest["records_done"] == len(records)
-        _write_json_atomic(out / MANIFEST, manifest)
+        write_json_atomic(out / MANIFEST, manifest)
         done_tokens += n_tokens
         bar.update(len(chunk))
         bar.set_postfix(tokens=f"{manifest['tokens']:,}", tok_s=f"{done_tokens / max(time.time() - start_t, 1e-9):,.0f}")

@@ -11,12 +11,10 @@ Without a COUNT a source contributes all its records.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
 
@@ -78,19 +76,3 @@ def _english(records: list[Record], report: SourceReport) -> list[Record]:
     return kept
 
 
-def write_jsonl(records: Iterable[Record], path: str | Path) -> Path:
-    """One JSON record per line, written to a temporary file beside the target and moved into place,
-    so an interrupted run never leaves a half-written training set under the final name."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from taps.config import DecodeConfig, SamplingConfig
-from taps.data.features import read_records
+from taps.data.features import read_conversations
 from taps.decode import ChatSession, chat_ids
 from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
 
@@ -68,7 +68,7 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
                proposer=None, progress=sys.stderr) -> int:
     """Regenerate every record of `data` not yet in `out`; returns how many were written now."""
     data, out = Path(data), Path(out)
-    records = read_records(data)
+    records = read_conversations(data)
     ids = [str(r.get("id", i)) for i, r in enumerate(records)]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)

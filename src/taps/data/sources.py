@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from taps.jsonl import LINE_WORD, json_lines
+
 Record = dict[str, Any]
 Turn = tuple[str, str]  # (role, content)
 
@@ -100,17 +102,8 @@ def _read_objects(path: Path) -> tuple[list[tuple[int, str, Any]], bool]:
 def _jsonl(text: str, path: Path) -> list[tuple[int, str, Any]]:
     """One JSON value per non-blank line; the first bad line is an error naming its number. Lines end
     at "\n" only: str.splitlines would also cut at U+2028 or U+0085, which JSON strings may hold raw."""
-    out = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {number}"
-        try:
-            out.append((number, where, json.loads(line)))
-        except json.JSONDecodeError as err:
-            raise DataFormatError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); "
-                                  "expected one JSON object per line") from None
-    return out
+    return [(number, LINE_WORD.format(path=path, line=number), value)
+            for number, value in json_lines(text, path, DataFormatError, at=LINE_WORD)]
 
 
 def _json_array(text: str, pos: int, path: Path) -> tuple[list[tuple[int, str, Any]], bool]:

@@ -11,13 +11,13 @@ expected: a benchmark that silently loses or merges questions changes every numb
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from taps.data.sources import DATA_DIR_ENV
+from taps.jsonl import read_json_lines
 
 
 @dataclass(frozen=True)
@@ -98,17 +98,7 @@ def read_questions(path: str | Path, bench: str, fmt: str | None = None) -> list
     """Read a JSONL benchmark file; `fmt` is "fastchat" or "gsm8k", or None to tell by the first record's
     fields (a GSM8K-format test file is then usable by path too). Blank lines are skipped."""
     path = Path(path)
-    rows: list[tuple[int, Any]] = []
-    from taps.jsonl import text_lines
-
-    for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as err:
-            raise BenchmarkFormatError(f"{path}:{lineno}: invalid JSON ({err.msg}); expected one JSON object "
-                                       f"per line") from None
+    rows = read_json_lines(path, BenchmarkFormatError)
     if not rows:
         raise BenchmarkFormatError(f"{path}: no questions (an empty file)")
     if fmt is None:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from taps.jsonl import read_jsonl, write_json_atomic, write_jsonl
+
 DOMAINS = ("chat", "math", "mixed-small", "mixed-large")
 BACKBONES = ("eagle2", "hass")
 
@@ -69,7 +71,7 @@ SOURCES = {"chat": ("chat",), "math": ("math",), "mixed-small": ("chat", "math")
 
 
 def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat", "math")) -> dict[str, Path]:
-    from taps.data.mix import mix_sources, write_jsonl
+    from taps.data.mix import mix_sources
 
     files = {}
     for domain, source, english in (("chat", recipe.chat_source, True), ("math", recipe.math_source, False)):
@@ -87,8 +89,7 @@ def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat"
 
 def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path:
     """The domain's records answered by the target (resumable), in the order of `data`."""
-    from taps.data.features import read_records
-    from taps.data.mix import write_jsonl
+    from taps.data.features import read_conversations
     from taps.data.regenerate import RegenerateSettings, regenerate
 
     ordered = data.with_name(f"{domain}.train.jsonl")
@@ -102,8 +103,8 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path
                                   max_prompt_tokens=recipe.regen_max_prompt_tokens)
     log(f"{domain}: regenerating the answers with the target ({settings})")
     regenerate(target, data, answers, settings)
-    by_id = {str(r["id"]): r for r in read_records(answers)}
-    kept = [by_id[str(r["id"])] for r in read_records(data) if str(r["id"]) in by_id]
+    by_id = {str(r["id"]): r for r in read_conversations(answers)}
+    kept = [by_id[str(r["id"])] for r in read_conversations(data) if str(r["id"]) in by_id]
     write_jsonl(kept, ordered)  # atomically: its presence means the domain's regeneration is complete
     log(f"{domain}: {len(kept)} regenerated records -> {ordered}")
     return ordered
@@ -186,7 +187,6 @@ def _is_done(out: Path, name: str) -> bool:
 
 
 def _record(out: Path, recipe: DrafterRecipe, name: str | None = None, entry: dict | None = None) -> dict:
-    from taps.jsonl import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out / "drafters.json.lock"):
@@ -246,7 +246,7 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
         # weights last and atomically: a reader (drafter-table, a test) that sees model.safetensors sees all of it
         shutil.copyfile(run_dir / file, head_dir / f"{file}.tmp")
         os.replace(head_dir / f"{file}.tmp", head_dir / file)
-    epochs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in x]
+    epochs = [row for _, row in read_jsonl(run_dir / "metrics.jsonl")[0] if "heldout_loss" in row]
     entry = {"records": len(trainer.shards), "features": trainer.shards.description, "steps": trainer.step,
              "wall_time_s_last_run": round(time.time() - t0, 1), "train_seconds": round(trainer.train_seconds, 1),
              "timed_from_step": trainer.timed_from_step, "final": epochs[-1] if epochs else {}}
@@ -373,7 +373,6 @@ def ship_heads(out: str | Path, dest: str | Path, dtype: str = "bfloat16", names
         for file in ("config.json", "metrics.jsonl"):
             shutil.copyfile(src / file, dst / f"{file}.tmp")
             os.replace(dst / f"{file}.tmp", dst / file)
-    from taps.jsonl import write_json_atomic
 
     write_json_atomic(dest / "drafters.json", {**summary, "drafters": {n: summary["drafters"][n] for n in shipped},
                                                "shipped_dtype": dtype})

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from taps.jsonl import read_json_lines
+
 
 def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]  # not splitlines: U+2028 is data
+    return [row for _, row in read_json_lines(path)] if path.is_file() else []
 
 
 def data_table(work: str | Path) -> str:

@@ -33,6 +33,7 @@ import torch
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.identity import MismatchError, check_same
+from taps.jsonl import append_jsonl, read_jsonl
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
@@ -302,7 +303,10 @@ class Trainer:
     def fit(self, progress: bool = True) -> Path:
         from tqdm.auto import tqdm
 
-        log = (self.out / "metrics.jsonl").open("a") if self.acc.is_main_process else None
+        log = self.out / "metrics.jsonl" if self.acc.is_main_process else None
+        if log:
+            log.touch()
+            read_jsonl(log, repair_torn=True)  # a line torn by a crash is cut before appending
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and self.acc.is_main_process),
                    desc=f"train {self.cfg.backbone}", unit="step", dynamic_ncols=True)
         window_t, window_tokens, last = time.time(), 0, {}
@@ -340,17 +344,14 @@ class Trainer:
                 tps = window_tokens * self.acc.num_processes / max(time.time() - window_t, 1e-9)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
                 if log:
-                    log.write(json.dumps({"step": self.step, "epoch": self.step / self.steps_per_epoch,
-                                          "loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
-                                          "tokens_per_s": tps}) + "\n")
-                    log.flush()
+                    append_jsonl(log, [{"step": self.step, "epoch": self.step / self.steps_per_epoch, "loss": loss,
+                                        "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tps}])
                 window_t, window_tokens = time.time(), 0
             end_of_epoch = self.step % self.steps_per_epoch == 0
             if end_of_epoch:
                 last = {"epoch": self.step // self.steps_per_epoch, "step": self.step, **self.evaluate()}
                 if log:
-                    log.write(json.dumps(last) + "\n")
-                    log.flush()
+                    append_jsonl(log, [last])
                 bar.write(f"epoch {last['epoch']}: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items()
                                                                     if k not in ("epoch", "step")))
             if end_of_epoch or (self.cfg.checkpoint_steps and self.step % self.cfg.checkpoint_steps == 0):
@@ -358,8 +359,6 @@ class Trainer:
             if end_of_epoch and self.cfg.keep_epoch_heads and self.acc.is_main_process:
                 save_head(self.head, self.out / "epochs" / f"epoch-{self.step // self.steps_per_epoch:02d}", self.info())
         bar.close()
-        if log:
-            log.close()
         if self.acc.is_main_process:
             save_head(self.head, self.out, self.info())
         self.acc.wait_for_everyone()
