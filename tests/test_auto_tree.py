@@ -117,7 +117,7 @@ def test_eval_and_study_configs_take_auto_trees(target_dir, tmp_path, monkeypatc
     from taps.eval.records import read_records
     from taps.eval.runner import EvalSettings, ResultsMismatchError, run_eval
     from taps.study import StudyConfigError, study_from_dict
-    from taps.eval.variants import parse_variant
+    from taps.propose.spec import parse_variant
     from taps.drafter.checkpoint import write_untrained
 
     monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path / "cache"))

@@ -122,6 +122,12 @@ CASES = [
     ("generate-prompt-ids", ["generate", "--target", T, "--prompt-ids", "1,a"], ["--prompt-ids"]),
     ("generate-dtype", GEN + ["--dtype", "float64"], ["--dtype", "float64"]),
     ("generate-unknown-strategy", GEN + ["--strategy", "vote"], ["--strategy", "vote"]),
+    ("generate-bad-variant", GEN + ["--variant", "merge-union:{ws}/d,{ws}/d2"],
+     ["--variant merge-union:{ws}/d,{ws}/d2", "unknown option 'union' for merge; expected one of disjoint, trie, budget"]),
+    ("generate-variant-of-one", GEN + ["--variant", "route:{ws}/d"], ["--variant route:{ws}/d", "at least two drafters"]),
+    ("generate-variant-and-drafter", GEN + ["--variant", "{ws}/d", "--drafter", "{ws}/d2"], ["--variant", "--drafter"]),
+    ("generate-route-one-drafter", GEN + ["--drafter", "{ws}/d", "--strategy", "route"],
+     ["--strategy route", "at least two drafters, got 1"]),
     # drafter
     ("drafter-init-out-is-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile"], ["afile"]),
     ("drafter-init-out-under-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile/d"], ["afile"]),

@@ -75,6 +75,25 @@ def test_generate_composes_several_drafters(capsys, tmp_path, target_dir, strate
         assert all(info["route_chosen"] in (0, 1) for info in out["step_info"])
 
 
+@pytest.mark.parametrize("sugar, spec", [
+    (["--strategy", "route", "--signal", "entropy", "--granularity", "turn"], "route-entropy-turn:math={d1},chat={d2}"),
+    (["--strategy", "merge", "--merge-mode", "trie"], "merge-trie:math={d1},chat={d2}"),
+    (["--strategy", "average", "--weight", "0.3", "--weight", "0.7"], "average-0.3:math={d1},chat={d2}"),
+])
+def test_generate_variant_is_what_the_flags_build(capsys, tmp_path, target_dir, sugar, spec):
+    """--variant SPEC and the --drafter/--strategy sugar name one composition: the same run, step for step."""
+    dirs = {f"d{seed}": str(tmp_path / f"d{seed}") for seed in (1, 2)}
+    for seed in (1, 2):
+        assert main(["drafter", "init", "--target", str(target_dir), "--out", dirs[f"d{seed}"], "--seed", str(seed)]) == 0
+    capsys.readouterr()
+    common = ["generate", "--target", str(target_dir), "--prompt", "How many clips?", "--max-new-tokens", "10",
+              "--device", "cpu", "--json"]
+    flags = run_json(capsys, *common, "--drafter", f"math={dirs['d1']}", "--drafter", f"chat={dirs['d2']}", *sugar)
+    named = run_json(capsys, *common, "--variant", spec.format(**dirs))
+    for key in ("token_ids", "accepted_per_step", "drafter_per_step", "step_info"):
+        assert named[key] == flags[key], key
+
+
 def test_generate_strategy_errors(capsys, tmp_path, target_dir):
     assert main(["drafter", "init", "--target", str(target_dir), "--out", str(tmp_path / "d")]) == 0
     base = ["generate", "--target", str(target_dir), "--prompt-ids", "1,2", "--device", "cpu"]

@@ -19,7 +19,7 @@ from taps.eval.records import ENTROPY_BINS, check_record
 from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, register, speedup_overview, speedup_table,
                               table1, table2, terminal_summary, write_report)
 from taps.eval.runner import EvalSettings, run_eval
-from taps.eval.variants import parse_variant
+from taps.propose.spec import parse_variant
 from taps.target import Target
 from taps.testing import write_tiny_target
 

@@ -16,7 +16,7 @@ from taps.eval import runner
 from taps.eval.benchmarks import Question
 from taps.eval.records import read_records, record_key
 from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval
-from taps.eval.variants import parse_variant
+from taps.propose.spec import parse_variant
 from taps.target import Target
 from taps.testing import write_tiny_target
 

@@ -4,10 +4,10 @@ Layers, lowest first (docs/architecture.md):
   core     config, jsonl, outlock, identity, tree, verify, kv, target_source, target, trace, decode,
            testing, and propose/base.py (the Proposer protocol: all that decode.py knows of drafting)
   drafter  drafter/*: the EAGLE head, its tree expansion, checkpoints; profile.py (auto-tree costs)
-  propose  propose/*: single, routed, merged, lookup proposers and the factory
+  propose  propose/*: the composition grammar (spec), single, routed, merged, lookup proposers, the factory
   data     data/*: readers, mixtures, chat encoding, regeneration, features
   train    train/*: losses, trainer, head families
-  eval     eval/*: benchmarks, runner, records, metrics, report, variants, drafter table
+  eval     eval/*: benchmarks, runner, records, metrics, report, drafter table
   study    study.py: the pipeline (target, drafters, eval, report); the only module that knows them all
   cli      cli.py, cli_args.py, __main__.py and every */commands.py
 

@@ -125,7 +125,8 @@ def test_cli_and_study_name_lookup_as_a_member(tmp_path, target_dir, capsys):
     import json
 
     from taps.cli import main
-    from taps.eval.variants import HeadPool, parse_variant
+    from taps.propose.factory import HeadPool
+    from taps.propose.spec import parse_variant
 
     args = ["generate", "--target", str(target_dir), "--prompt-ids", ",".join(map(str, loop_prompt())),
             "--max-new-tokens", "24", "--device", "cpu", "--json", "--total-tokens", "16", "--top-k", "4"]

@@ -24,7 +24,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--drafter", action="append", type=_named_drafter, metavar="[NAME=]DIR",
                    help="drafter directory (EAGLE layout), or `lookup` (prompt lookup, model-free); repeat to "
-                        "combine several with --strategy; omit for plain decoding")
+                        "combine several with --strategy; omit (and --variant) for plain decoding")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
@@ -54,11 +54,12 @@ def _named_drafter(text: str) -> tuple[str, str]:
 def _generate(args) -> int:
     from taps.config import DecodeConfig, SamplingConfig, TreeConfig
     from taps.decode import chat_ids, generate
-    from taps.propose.commands import strategy_options
+    from taps.propose.commands import composition
     from taps.profile import auto_tree_policy
-    from taps.propose.factory import build_proposer, load_member
+    from taps.propose.factory import HeadPool
     from taps.target import Target
 
+    spec = composition(args)
     target = Target.load(args.target, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
                          trust_remote_code=args.trust_remote_code)
     tok = target.tokenizer
@@ -70,17 +71,9 @@ def _generate(args) -> int:
         prompt = tok(args.prompt)["input_ids"]
     else:
         prompt = chat_ids(tok, [{"role": "user", "content": args.prompt}])
-    proposer = None
-    if args.drafter:
-        names = [name for name, _ in args.drafter]
-        if len(set(names)) != len(names):
-            raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
-        heads = {name: load_member(path, target, attn_implementation=args.attn) for name, path in args.drafter}
-        tree = TreeConfig(*tree_shape(args))
-        policy = auto_tree_policy(target, heads, tree) if args.tree == "auto" else None
-        proposer = build_proposer(heads=heads, tree=tree, policy=policy, **strategy_options(args))
-    elif args.strategy != "single":
-        raise ValueError(f"--strategy {args.strategy} needs --drafter")
+    pool, tree = HeadPool(target, args.attn), TreeConfig(*tree_shape(args)) if spec.drafters else None
+    policy = auto_tree_policy(target, pool.heads(spec), tree) if args.tree == "auto" and spec.drafters else None
+    proposer = pool.proposer(spec, tree, policy)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens,
                        sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
                        stop_token_ids=target.stop_token_ids(), seed=args.seed)

@@ -10,7 +10,7 @@ only the CLI sits above it (tests/test_import_graph.py, docs/architecture.md).
     drafters: {out: DIR, recipe: {...}}  # recipe: DrafterRecipe fields; without it DIR must hold the heads
     backbones: [eagle2, hass]          # expands "{backbone}" in variant names and specs
     lambdas: [0.1, 0.5, 0.9]           # expands "{lambda}" (the averaging sweep)
-    variants: {NAME: SPEC, ...}        # taps.eval.variants SPEC strings; "{drafters}" = drafters.out
+    variants: {NAME: SPEC, ...}        # taps.propose.spec SPEC strings; "{drafters}" = drafters.out
     eval: {bench: [...], temperatures: [0, 1], limit: N, max_new_tokens: 512, seed: 0,
            tree: {total_tokens: 60, depth: 5, top_k: 10, mode: fixed | auto}, device: auto, dtype: auto,
            categories: [...], jobs: 1}      # jobs: worker processes on this machine
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from taps.config import TreeConfig
 from taps.eval.runner import EvalSettings
-from taps.eval.variants import VariantSpec, VariantSpecError, variant_from_config
+from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
 
 STAGES = ("target", "drafters", "eval", "report")
 

@@ -15,7 +15,6 @@ vocabularies, or over the full vocabulary if any member does.
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,35 +24,12 @@ from torch import Tensor
 
 from taps.drafter.checkpoint import DrafterInfo, pop_draft_vocab, read_config, read_weights, write_drafter
 from taps.drafter.head import EagleHead
+from taps.drafter.weights import AverageError, check_weights
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
 MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                    "vocab_size", "rms_norm_eps", "hidden_act")
 DEFAULT_LAMBDAS = tuple(round(0.1 * i, 10) for i in range(1, 10))  # 0.1 .. 0.9
-WEIGHT_TOLERANCE = 1e-6
-
-
-class AverageError(ValueError):
-    """Heads that cannot be averaged, or weights that are not a convex combination."""
-
-
-def check_weights(weights: Sequence[float] | None, n: int) -> list[float]:
-    """Weights for n heads: uniform when None; else n finite non-negative numbers summing to 1."""
-    if n < 1:
-        raise AverageError("averaging needs at least one head")
-    if weights is None:
-        return [1.0 / n] * n
-    weights = [float(w) for w in weights]
-    if len(weights) != n:
-        raise AverageError(f"{len(weights)} weight(s) for {n} head(s): give one weight per head")
-    bad = [w for w in weights if not math.isfinite(w) or w < 0]
-    if bad:
-        raise AverageError(f"weights must be finite and non-negative, got {weights}")
-    if abs(sum(weights) - 1.0) > WEIGHT_TOLERANCE:
-        raise AverageError(f"weights must sum to 1, got {weights} (sum {sum(weights):.6g})")
-    return weights
-
-
 def average_state_dicts(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float] | None = None,
                         names: Sequence[str] | None = None) -> dict[str, Tensor]:
     """sum_i w_i * states[i][key] for every key; keys and shapes must agree exactly."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
 from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int,
                            tree_shape)
 
@@ -23,8 +24,6 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 
 def _variant(text: str):
-    from taps.eval.variants import VariantSpecError, parse_variant
-
     try:
         return parse_variant(text)
     except VariantSpecError as err:
@@ -46,8 +45,7 @@ def register(sub) -> None:
                        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--variant", action="append", required=True, type=_variant, metavar="NAME=SPEC",
-                   help="repeat; SPEC = baseline | DIR | average[-L]:A,B | route[-confidence|-entropy][-step|-turn]:A,B"
-                        " | merge[-disjoint|-trie|-budget]:A,B, where A, B are [name=]DIR")
+                   help=f"repeat; SPEC = {SPEC_HELP}")
     p.add_argument("--bench", default="mt_bench,gsm8k,math500,svamp",
                    help="comma-separated benchmark names or paths to FastChat question.jsonl files ([name=]PATH)")
     p.add_argument("--temperature", type=_temperatures, default=(0.0,), help="comma-separated, e.g. 0,1")

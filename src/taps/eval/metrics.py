@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from taps.eval.records import ENTROPY_BIN_EDGES, ENTROPY_BINS, conversation_key, read_records, record_key
+from taps.propose.spec import SIGNALS
 
-SIGNALS = ("confidence", "entropy")
 BASELINE = "baseline"  # the variant name of plain decoding, the reference of every speedup
 AVERAGE = "average"  # the bench name of the paper's Average column (add_benchmark_average)
 

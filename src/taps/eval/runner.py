@@ -31,7 +31,8 @@ from taps.drafter.checkpoint import weights_digest
 from taps.identity import MismatchError, check_same
 from taps.eval.benchmarks import Question
 from taps.eval.records import conversation_key, read_records, record_key, turn_record
-from taps.eval.variants import HeadPool, VariantSpec
+from taps.propose.factory import HeadPool
+from taps.propose.spec import VariantSpec
 from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
 
@@ -206,7 +207,7 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
         seed = question_seed(settings.seed, q.bench, q.question_id, temperature)
         cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, stop_token_ids=stop, seed=seed,
                            sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
-                           trace=v.strategy != "baseline")
+                           trace=bool(v.drafters))
         turns = decode_conversation(target, pool.proposer(v, settings.tree, policy), q, cfg)
         append_jsonl(sink, [turn_record(result, variant=v.name, bench=q.bench, question_id=q.question_id, turn=i,
                                         temperature=temperature, category=q.category, seed=seed,

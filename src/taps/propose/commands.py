@@ -3,43 +3,53 @@
     taps average --drafter math=DIR_A --drafter chat=DIR_B [--weight 0.5 --weight 0.5] --out DIR
     taps average --drafter A --drafter B --sweep [--lambdas 0.1,0.5,0.9] --out ROOT   (ROOT/lambda-<l>)
 
-parse_named_drafter, add_strategy_arguments and strategy_options are for `taps generate`
-(several `--drafter NAME=DIR` and `--strategy single|average|route|merge`); the proposer itself is
-built by taps.propose.factory.build_proposer(**strategy_options(args), heads=..., tree=...).
+Also `taps generate`'s composition options: `--variant SPEC` (the grammar of propose/spec.py), or
+its sugar, several `--drafter [NAME=]DIR` with `--strategy single|average|route|merge`, `--signal`,
+`--granularity`, `--merge-mode` and `--weight`, which build the same VariantSpec (composition()).
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from taps.cli_args import DefaultsHelpFormatter
+from taps.propose.spec import (DEFAULTS, GRANULARITIES, MERGE_MODES, SIGNALS, SPEC_HELP, STRATEGIES, VariantSpec,
+                               VariantSpecError, parse_member, parse_spec, spec_from_options)
 
 
 def parse_named_drafter(text: str) -> tuple[str, str]:
     """'NAME=DIR' -> (NAME, DIR); a bare 'DIR' (or a path that itself contains '=') -> (its name, DIR)."""
-    name, sep, path = text.partition("=")
-    if not sep or Path(text).exists() or not name or "/" in name:
-        path = text
-        name = Path(text.rstrip("/")).name or text
-    if not path:
-        raise argparse.ArgumentTypeError(f"--drafter {text!r}: expected NAME=DIR or DIR")
-    return name, path
+    try:
+        return parse_member(text, f"--drafter {text!r}")
+    except VariantSpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def parse_spec_argument(text: str) -> VariantSpec:
+    """`taps generate --variant SPEC` (no NAME=: generate decodes one variant)."""
+    try:
+        return parse_spec("generate", text, where=f"--variant {text}")
+    except VariantSpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _choices(table: dict[str, str]) -> str:
+    return ", ".join(f"{name}: {meaning}" for name, meaning in table.items())
 
 
 def add_strategy_arguments(p) -> None:
-    """The composition options of `taps generate` (choices come from the factory's tables)."""
-    from taps.propose.factory import GRANULARITIES, MERGE_MODES, SIGNALS, STRATEGIES
-
-    p.add_argument("--strategy", choices=STRATEGIES, default="single",
-                   help="how several --drafter heads are combined (single needs exactly one)")
-    p.add_argument("--signal", choices=list(SIGNALS), default="confidence",
-                   help="route: mean node confidence (higher wins) or mean draft entropy (lower wins)")
-    p.add_argument("--granularity", choices=list(GRANULARITIES), default="step",
-                   help="route: decide at every draft/verify step, or once per turn from the first trees")
-    p.add_argument("--merge-mode", choices=list(MERGE_MODES), default="disjoint",
-                   help="merge: disjoint trees under one root | trie (shared prefixes) | budget (trie reranked "
-                        "to the single-tree --total-tokens)")
+    """The composition options of `taps generate` (names and meanings come from propose/spec.py)."""
+    p.add_argument("--variant", type=parse_spec_argument, metavar="SPEC",
+                   help=f"the whole composition in one word, as taps eval names it: {SPEC_HELP}; instead of "
+                        "--drafter and the options below, which build the same SPEC")
+    p.add_argument("--strategy", choices=[s for s in STRATEGIES if s != "baseline"], default="single",
+                   help="how several --drafter heads are combined (single needs exactly one): "
+                        + _choices({s: m for s, m in STRATEGIES.items() if s != "baseline"}))
+    p.add_argument("--signal", choices=list(SIGNALS), default=DEFAULTS["signal"], help="route: " + _choices(SIGNALS))
+    p.add_argument("--granularity", choices=list(GRANULARITIES), default=DEFAULTS["granularity"],
+                   help="route: " + _choices(GRANULARITIES))
+    p.add_argument("--merge-mode", choices=list(MERGE_MODES), default=DEFAULTS["merge_mode"],
+                   help="merge: " + _choices(MERGE_MODES))
     p.add_argument("--weight", action="append", type=float,
                    help="average: weight of the matching --drafter (repeat; must sum to 1; default equal)")
 
@@ -48,6 +58,18 @@ def strategy_options(args) -> dict:
     """build_proposer keyword arguments from the options above."""
     return {"strategy": args.strategy, "signal": args.signal, "granularity": args.granularity,
             "merge_mode": args.merge_mode, "weights": args.weight}
+
+
+def composition(args) -> VariantSpec:
+    """`taps generate`'s VariantSpec: --variant SPEC, or the one its sugar builds (no --drafter:
+    plain decoding)."""
+    options = strategy_options(args)
+    if args.variant is None:
+        return spec_from_options(args.drafter or [], **options)
+    if args.drafter or options != {"strategy": "single", **DEFAULTS, "weights": None}:
+        raise ValueError("--variant SPEC names the whole composition: give it without --drafter, --strategy, --signal, "
+                         "--granularity, --merge-mode and --weight")
+    return args.variant
 
 
 def _lambdas(text: str) -> list[float]:

@@ -1,5 +1,6 @@
-"""The one place that maps a strategy spec (names, as the CLI and study configs spell them) to a
-Proposer. Algorithms never see these strings: each name maps to a class, a signal or a function.
+"""The one place that maps a composition (a VariantSpec, propose/spec.py: the names the CLI and
+study configs spell) to a Proposer. Algorithms never see these strings: each name maps to a class,
+a signal or a function.
 
     single   one drafter                                  SingleProposer
     average  the weighted average of the drafters' heads  SingleProposer(average_heads(...))
@@ -7,7 +8,9 @@ Proposer. Algorithms never see these strings: each name maps to a class, a signa
     merge    one verification of the merged trees         MergedProposer(merge mode)
 
 A member is an EAGLE head, or a `LookupSpec` (prompt lookup, propose/lookup.py): a model-free
-drafter that routes and merges like any head (it cannot be weight-averaged).
+drafter that routes and merges like any head (it cannot be weight-averaged). HeadPool loads each
+drafter directory once and builds a fresh proposer per conversation (compositions keep per-turn
+state), averaging each set of heads once.
 """
 
 from __future__ import annotations
@@ -15,28 +18,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from taps.config import TreeConfig
 from taps.drafter.average import average_heads
+from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
 from taps.propose.base import Proposer
 from taps.propose.lookup import LookupProposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
+from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError
 from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
 
 Merge = Callable[[Sequence[DraftTree]], DraftTree]
 
-SIGNALS: dict[str, RoutingSignal] = {"confidence": CONFIDENCE, "entropy": ENTROPY}
-GRANULARITIES: dict[str, bool] = {"step": False, "turn": True}  # name -> per_turn
-MERGE_MODES: dict[str, Callable[[TreeConfig], Merge]] = {
+# the implementation of each name of spec.SIGNALS and spec.MERGE_MODES
+ROUTING_SIGNALS: dict[str, RoutingSignal] = {signal.name: signal for signal in (CONFIDENCE, ENTROPY)}
+MERGES: dict[str, Callable[[TreeConfig], Merge]] = {
     "disjoint": lambda tree: merge_disjoint,
     "trie": lambda tree: merge_trie,
     "budget": lambda tree: partial(merge_budget, total_tokens=tree.total_tokens),
 }
-STRATEGIES = ("single", "average", "route", "merge")
-LOOKUP = "lookup"  # the member name / path that means prompt lookup instead of a head directory
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,6 @@ class LookupSpec:
 def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
     """A member named on a command line or in a config: `lookup` (unless a directory of that name
     exists) is prompt lookup; anything else is a drafter directory, loaded strictly for the target."""
-    from pathlib import Path
-
-    from taps.drafter.checkpoint import load_head
-
     if path == LOOKUP and not Path(path).is_dir():
         return LookupSpec()
     return load_head(path, target, **head_options)[0]
@@ -65,40 +65,68 @@ def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, pol
     return SingleProposer(member, tree, source=source, policy=policy() if policy is not None else None)
 
 
-def _pick(kind: str, value: str, table) -> object:
-    if value not in table:
-        raise ValueError(f"unknown {kind} {value!r}; expected one of {', '.join(table)}")
-    return table[value] if isinstance(table, dict) else value
-
-
 def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig = TreeConfig(),
                    signal: str = "confidence", granularity: str = "step", merge_mode: str = "disjoint",
                    weights: Sequence[float] | None = None, policy: Callable[[], object] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
-    drafter index recorded in tree.source and in routing / merge logs). `policy`: a factory of
-    cost-aware tree policies (drafter/auto_tree.py), one per head; None drafts fixed trees."""
-    _pick("strategy", strategy, STRATEGIES)
-    routing_signal = _pick("routing signal", signal, SIGNALS)
-    per_turn = _pick("routing granularity", granularity, GRANULARITIES)
-    merge_for = _pick("merge mode", merge_mode, MERGE_MODES)
+    drafter index recorded in tree.source and in routing / merge logs), checked by the grammar's
+    rules. `policy`: a factory of cost-aware tree policies (drafter/auto_tree.py), one per head;
+    None drafts fixed trees."""
+    where = f"--strategy {strategy}"
+    spec = VariantSpec(strategy, strategy, tuple((name, name) for name in heads), signal, granularity, merge_mode,
+                       None if weights is None else tuple(weights), where=where)
+    return compose(spec, heads, tree, policy, where=where)
+
+
+def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig, policy=None,
+            average: Callable[[], EagleHead] | None = None, where: str | None = None) -> Proposer | None:
+    """The proposer of a checked spec over its loaded members (`heads`, in spec.drafters order);
+    None for the baseline. `average`: the averaged head, if the caller keeps one (HeadPool)."""
+    if spec.strategy == "baseline":
+        return None
     names = list(heads)
-    if not names:
-        raise ValueError("no drafter given: every strategy needs at least one --drafter")
-    if weights is not None and strategy != "average":
-        raise ValueError(f"weights are for --strategy average only (got --strategy {strategy})")
-    if strategy == "single":
-        if len(names) != 1:
-            raise ValueError(f"--strategy single takes exactly one drafter, got {len(names)} ({', '.join(names)}); "
-                             "use --strategy average, route or merge to combine several")
-        return _member(heads[names[0]], tree, 0, policy)
-    if strategy == "average":
+    if spec.strategy == "average":
         lookups = [n for n in names if isinstance(heads[n], LookupSpec)]
         if lookups:
-            raise ValueError(f"--strategy average averages head weights; {', '.join(lookups)} is prompt lookup, "
-                             "which has none (route or merge it instead)")
-        return SingleProposer(average_heads([heads[n] for n in names], weights), tree,
-                              policy=policy() if policy is not None else None)
+            raise VariantSpecError(f"{where or f'variant {spec.name!r}'}: average combines head weights; "
+                                   f"{', '.join(lookups)} is prompt lookup, which has none (route or merge it instead)")
+        head = average() if average is not None else average_heads(list(heads.values()), spec.weights)
+        return _member(head, tree, 0, policy)
+    if spec.strategy == "single":
+        return _member(heads[names[0]], tree, 0, policy)
     singles = [_member(heads[n], tree, i, policy) for i, n in enumerate(names)]
-    if strategy == "route":
-        return RoutedProposer(singles, signal=routing_signal, per_turn=per_turn, names=names)
-    return MergedProposer(singles, merge=merge_for(tree), names=names)
+    if spec.strategy == "route":
+        return RoutedProposer(singles, signal=ROUTING_SIGNALS[spec.signal], per_turn=spec.granularity == "turn",
+                              names=names)
+    return MergedProposer(singles, merge=MERGES[spec.merge_mode](tree), names=names)
+
+
+class HeadPool:
+    """Loads each drafter directory once (strictly, for this target) and each average once."""
+
+    def __init__(self, target, attn_implementation: str = "sdpa"):
+        self.target, self.attn = target, attn_implementation
+        self._heads: dict[str, object] = {}
+        self._averages: dict[tuple, object] = {}
+
+    def head(self, path: str):
+        key = str(Path(path).resolve())
+        if key not in self._heads:
+            self._heads[key] = load_member(path, self.target, attn_implementation=self.attn)
+        return self._heads[key]
+
+    def heads(self, spec: VariantSpec) -> dict[str, "EagleHead | LookupSpec"]:
+        return {name: self.head(path) for name, path in spec.drafters}
+
+    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None) -> Proposer | None:
+        """A fresh proposer for one conversation (None for the baseline); `policy`: a factory of
+        cost-aware tree policies, or None for fixed trees."""
+        heads = self.heads(spec)
+        key = (tuple(str(Path(d).resolve()) for _, d in spec.drafters), spec.weights)
+
+        def average():
+            if key not in self._averages:
+                self._averages[key] = average_heads(list(heads.values()), spec.weights)
+            return self._averages[key]
+
+        return compose(spec, heads, tree, policy, average=average)
