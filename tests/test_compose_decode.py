@@ -122,8 +122,11 @@ class NoisyOracle:
     def start(self, features, tokens):
         self.seq = tokens.tolist()
 
-    def observe(self, acceptance, features):
+    def observe(self, tree, acceptance, features):
         self.seq += acceptance.new_tokens
+
+    def step_info(self):
+        return {}
 
     def propose(self) -> DraftTree:
         true = self.reference[len(self.seq):len(self.seq) + self.depth]
@@ -136,9 +139,9 @@ class NoisyOracle:
             parent = len(tokens) - 1
         n = len(tokens)
         scale = 0.2 + float(torch.rand((), generator=self.g))
-        return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
-                         logp=-scale * torch.arange(n, dtype=torch.float), entropy=scale * torch.ones(n),
-                         source=torch.tensor([-1] + [0] * (n - 1)))
+        return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
+                                 logp=-scale * torch.arange(n, dtype=torch.float), entropy=scale * torch.ones(n),
+                                 drafter=0)
 
 
 COMPOSERS = {
@@ -291,8 +294,11 @@ class Recording:
         self.trees.append(self.inner.propose())
         return self.trees[-1]
 
-    def observe(self, acceptance, features):
-        self.inner.observe(acceptance, features)
+    def observe(self, tree, acceptance, features):
+        self.inner.observe(tree, acceptance, features)
+
+    def step_info(self):
+        return self.inner.step_info()
 
 
 @pytest.mark.parametrize("compose", ["route", "merge"])

@@ -20,8 +20,8 @@ def tree_of(parents, tokens, logp=None, entropy=None, source=0):
     n = len(parents)
     logp = torch.tensor(logp, dtype=torch.float) if logp is not None else -0.1 * torch.arange(n, dtype=torch.float)
     entropy = torch.tensor(entropy, dtype=torch.float) if entropy is not None else torch.zeros(n)
-    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), logp=logp, entropy=entropy,
-                     source=torch.tensor([-1] + [source] * (n - 1)))
+    return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(parents), logp=logp, entropy=entropy,
+                             drafter=source)
 
 
 def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
@@ -218,8 +218,8 @@ def test_prune_depth_keeps_sources():
     assert pruned.tokens.tolist() == [1, 5, 6, 9]
     assert pruned.sources.tolist() == [0, 0b11, 0b01, 0b10]
     assert pruned.source_sets() == [[], [0, 1], [0], [1]]
-    # a tree without a sources field derives it from source
-    assert A.source_mask().tolist() == [0, 1, 1, 1] and B.source_sets()[1] == [1]
+    # one drafter's tree: every node below the root has that drafter's bit
+    assert A.sources.tolist() == [0, 1, 1, 1] and B.source_sets()[1] == [1]
 
 
 # ---- sampling on merged trees with duplicate tokens -------------------------------------------------

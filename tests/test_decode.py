@@ -43,15 +43,17 @@ class CallbackProposer:
     def propose(self) -> DraftTree:
         return self.build(self.seq)
 
-    def observe(self, acceptance, features):
+    def observe(self, tree, acceptance, features):
         self.seq += acceptance.new_tokens
+
+    def step_info(self):
+        return {}
 
 
 def tree_from(parents, tokens):
     n = len(tokens)
-    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
-                     logp=-torch.arange(n, dtype=torch.float), entropy=torch.zeros(n),
-                     source=torch.tensor([-1] + [0] * (n - 1)))
+    return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
+                             logp=-torch.arange(n, dtype=torch.float), entropy=torch.zeros(n), drafter=0)
 
 
 def oracle_chain(reference: list[int], depth: int):

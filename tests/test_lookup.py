@@ -62,7 +62,7 @@ def test_acceptance_rate_is_learned_from_what_the_target_emitted():
     tree = proposer.propose()  # the chain 1, 2, 3, 9, 4
     # the target emitted 1, 2 and then 7 (the draft's 3 was rejected), whichever tree was verified
     acceptance = Acceptance(nodes=torch.tensor([0, 1, 2]), tokens=torch.tensor([4, 1, 2]), bonus=7)
-    proposer.observe(acceptance, torch.zeros(3, 4))
+    proposer.observe(tree, acceptance, torch.zeros(3, 4))
     assert proposer.accepted == 1 + 2 and proposer.tried == 2 + 3
     assert proposer._seq[-3:] == [1, 2, 7]
     assert tree.size == 6

@@ -23,8 +23,8 @@ PARENTS = [-1, 0, 0, 0, 1, 1, 3, 4]
 
 def hand_tree(tokens):
     n = len(PARENTS)
-    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(PARENTS), logp=torch.zeros(n),
-                     entropy=torch.zeros(n), source=torch.zeros(n, dtype=torch.long))
+    return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(PARENTS), logp=torch.zeros(n),
+                             entropy=torch.zeros(n), drafter=0)
 
 
 def sequential(model, ids):

@@ -20,9 +20,9 @@ from taps.verify import Acceptance
 
 def hand_tree() -> DraftTree:
     # root 0 -> 1 -> 3 ; root -> 2 ; 1 -> 4
-    return DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 1, 1]),
-                     logp=torch.tensor([0.0, -0.1, -1.0, -0.5, -2.0]),
-                     entropy=torch.tensor([0.0, 0.3, 0.3, 0.7, 0.7]), source=torch.tensor([-1, 0, 0, 0, 0]))
+    return DraftTree.drafted(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 1, 1]),
+                             logp=torch.tensor([0.0, -0.1, -1.0, -0.5, -2.0]),
+                             entropy=torch.tensor([0.0, 0.3, 0.3, 0.7, 0.7]), drafter=0)
 
 
 def test_trace_of_a_known_step():

@@ -9,9 +9,8 @@ from taps.tree import DraftTree, additive_mask
 def make_tree(parents, tokens=None):
     n = len(parents)
     tokens = tokens if tokens is not None else list(range(100, 100 + n))
-    return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
-                     logp=-torch.arange(n, dtype=torch.float) * 0.1, entropy=torch.zeros(n),
-                     source=torch.tensor([-1] + [0] * (n - 1)))
+    return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
+                             logp=-torch.arange(n, dtype=torch.float) * 0.1, entropy=torch.zeros(n), drafter=0)
 
 
 #        0
@@ -76,7 +75,10 @@ def test_invalid_parents_rejected(parents):
 def test_field_shape_checked():
     with pytest.raises(ValueError, match="logp"):
         DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), logp=torch.zeros(3),
-                  entropy=torch.zeros(2), source=torch.zeros(2, dtype=torch.long))
+                  entropy=torch.zeros(2), source=torch.zeros(2, dtype=torch.long), sources=torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="sources"):
+        DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), logp=torch.zeros(2),
+                  entropy=torch.zeros(2), source=torch.zeros(2, dtype=torch.long), sources=torch.ones(3, dtype=torch.long))
 
 
 def test_additive_mask_prefix_and_window():

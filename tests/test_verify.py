@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from taps.config import SamplingConfig
-from taps.tree import DraftTree
+from taps.tree import DraftTree, drafter_bits
 from taps.verify import target_probs, verify_greedy, verify_sampling
 
 V = 12
@@ -18,10 +18,10 @@ V = 12
 
 def tree_of(parents, tokens, logp=None, source=None):
     n = len(parents)
+    source = torch.tensor(source) if source else torch.tensor([-1] + [0] * (n - 1))
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
                      logp=torch.tensor(logp, dtype=torch.float) if logp else -torch.arange(n, dtype=torch.float),
-                     entropy=torch.zeros(n),
-                     source=torch.tensor(source) if source else torch.tensor([-1] + [0] * (n - 1)))
+                     entropy=torch.zeros(n), source=source, sources=drafter_bits(source))
 
 
 def one_hot_logits(argmaxes, vocab=V):

@@ -1,4 +1,4 @@
-"""The decode loop: speculative decoding with any Proposer, and plain decoding with none.
+"""The decode loop: speculative decoding with any Proposer; plain decoding is PlainProposer.
 
 One step (numbered as in the code):
   1. draft     the proposer builds a tree rooted at the pending token
@@ -8,23 +8,25 @@ One step (numbered as in the code):
   5. commit    the KV rows of exactly the kept path stay in the target's cache
   6. observe   the proposer consumes the accepted features (skipped once decoding ends)
 Plain decoding is the same loop with a root-only tree, so both use the same Target and cache
-code and their timings compare like with like. Batch size 1.
+code and their timings compare like with like. Batch size 1. Timings come from one Stopwatch:
+draft (this step's proposal and trim, plus the previous step's observe), target (the tree
+forward), other (verification, emit, commit); tracing is set aside.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from taps.config import DecodeConfig
-from taps.propose.base import Proposer
+from taps.propose.base import PlainProposer, Proposer
+from taps.stopwatch import Stopwatch
 from taps.target import Target
 from taps.trace import StepTrace, step_trace
 from taps.tree import DraftTree
-from taps.verify import sample_token, verify
+from taps.verify import Acceptance, sample_token, verify
 
 
 class ContextWindowError(ValueError):
@@ -43,6 +45,15 @@ class StepStats:
     sources: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
     info: dict = field(default_factory=dict)  # the proposer's own record of this step (e.g. routing scores)
     trace: StepTrace | None = None  # node confidences and entropies, when DecodeConfig.trace is set
+
+    @classmethod
+    def of(cls, tree: DraftTree, acc: Acceptance, emitted: int, draft_s: float, target_s: float, other_s: float,
+           info: dict, trace: StepTrace | None) -> "StepStats":
+        """The record of one verified tree: provenance from the deepest accepted node's drafters."""
+        deepest, drafted = int(acc.nodes[-1]), acc.accepted > 0
+        return cls(accepted=acc.accepted, emitted=emitted, tree_size=tree.size,
+                   source=int(tree.source[deepest]) if drafted else -1, draft_s=draft_s, target_s=target_s,
+                   other_s=other_s, sources=int(tree.sources[deepest]) if drafted else 0, info=info, trace=trace)
 
 
 @dataclass
@@ -76,12 +87,6 @@ class DecodeResult:
                 "other_s": sum(s.other_s for s in self.steps)}
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -93,7 +98,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Decoder:
-    """Decodes continuations of one growing sequence with one target (and optionally a proposer).
+    """Decodes continuations of one growing sequence with one target and one proposer (None:
+    plain decoding, a PlainProposer).
 
     Keeps the token ids whose KV rows are committed, and their target features, so a follow-up
     (the next chat turn) re-encodes only what differs from what the cache already holds.
@@ -104,6 +110,10 @@ class Decoder:
     committed: list[int] = field(default_factory=list)  # tokens with KV rows in the target cache
     _features: list[Tensor] = field(default_factory=list)  # chunks of [*, H], aligned with `committed`
 
+    def __post_init__(self) -> None:
+        if self.proposer is None:
+            self.proposer = PlainProposer()
+
     def check_window(self, context_len: int, cfg: DecodeConfig) -> None:
         window = self.target.context_window
         if context_len + cfg.max_new_tokens > window:
@@ -113,6 +123,36 @@ class Decoder:
                 "(max_position_embeddings); shorten the prompt or lower --max-new-tokens")
 
     def run(self, context_ids: list[int], cfg: DecodeConfig, reuse_prefix: bool = False) -> DecodeResult:
+        self._check_prompt(context_ids, cfg)
+        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        clock = Stopwatch(self.target.device)
+        pending, reused = self._prefill(context_ids, cfg, gen, reuse_prefix)  # 0. prefill
+        prefill_s = clock.lap()
+        new, steps, stop, observe_s = [pending], [], set(cfg.stop_token_ids), 0.0
+        stopped = pending in stop
+        while not stopped and len(new) < cfg.max_new_tokens:
+            proposed = self.proposer.propose()  # 1. draft
+            info = self.proposer.step_info()
+            tree = _rooted_at(proposed, pending).prune_depth(cfg.max_new_tokens - len(new) - 1)  # 2. trim
+            draft_s = observe_s + clock.lap()
+            out = self.target.forward_tree(tree)  # 3. verify
+            target_s = clock.lap()
+            acc = verify(tree, out.logits, cfg.sampling, gen)
+            trace = clock.aside(step_trace, tree, acc, out.logits) if cfg.trace else None
+            emitted = _cut(acc.new_tokens, stop, cfg.max_new_tokens - len(new))  # 4. emit
+            self._commit(acc.nodes[:len(emitted)], acc.tokens[:len(emitted)], out.features)  # 5. commit
+            new += emitted
+            pending, stopped = emitted[-1], emitted[-1] in stop
+            steps.append(StepStats.of(tree, acc, len(emitted), draft_s, target_s, clock.lap(), info, trace))
+            observe_s = 0.0
+            if not stopped and len(new) < cfg.max_new_tokens:  # 6. observe, only if decoding goes on
+                self.proposer.observe(proposed, acc, out.features[acc.nodes])
+                observe_s = clock.lap()
+        return DecodeResult(tokens=new, steps=steps, prompt_tokens=len(context_ids),
+                            stop_reason="stop_token" if stopped else "max_new_tokens", prefill_s=prefill_s,
+                            total_s=clock.elapsed(), reused_prefix=reused, trace_s=clock.aside_s)
+
+    def _check_prompt(self, context_ids: list[int], cfg: DecodeConfig) -> None:
         if not context_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         self.check_window(len(context_ids), cfg)
@@ -121,83 +161,47 @@ class Decoder:
         if bad is not None:
             raise ValueError(f"prompt token id {context_ids[bad]} at index {bad} is outside the target's "
                              f"vocabulary of {vocab}")
-        target, device = self.target, self.target.device
-        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-        t0 = _clock(device)
 
-        # 0. prefill whatever the cache does not already hold, sample the first new token
+    def _prefill(self, context_ids: list[int], cfg: DecodeConfig, gen: torch.Generator,
+                 reuse_prefix: bool) -> tuple[int, int]:
+        """Prefill whatever the cache does not already hold, sample the first new token (the pending
+        one) and start the proposer; returns it and the number of prompt tokens reused."""
         keep = min(_common_prefix(self.committed, context_ids), len(context_ids) - 1) if reuse_prefix else 0
         if keep:
-            target.truncate(keep)
+            self.target.truncate(keep)
         else:
-            target.reset()
-        out = target.prefill(torch.tensor(context_ids[keep:], dtype=torch.long))
+            self.target.reset()
+        out = self.target.prefill(torch.tensor(context_ids[keep:], dtype=torch.long))
         first = sample_token(out.logits[-1], cfg.sampling, gen)
         self.committed = list(context_ids)
-        if self.proposer is not None:  # features are kept only for a proposer to restart from
-            self._features = self._features_prefix(keep) + [out.features]
-            self.proposer.start(torch.cat(self._features), torch.tensor(context_ids + [first], device=device))
-        t1 = _clock(device)
+        self._features = self._features_prefix(keep) + [out.features]
+        self.proposer.start(torch.cat(self._features), torch.tensor(context_ids + [first], device=self.target.device))
+        return first, keep
 
-        new, steps, pending = [first], [], first
-        stop = set(cfg.stop_token_ids)
-        stop_reason = "stop_token" if first in stop else "max_new_tokens"
-        observe_s, trace_s = 0.0, 0.0
-        while stop_reason != "stop_token" and len(new) < cfg.max_new_tokens:
-            # 1-2. draft a tree and trim it to the remaining budget
-            a = _clock(device)
-            tree = self.proposer.propose() if self.proposer is not None else DraftTree.root_only(pending, device)
-            info = self.proposer.step_info() if hasattr(self.proposer, "step_info") else {}
-            if int(tree.tokens[0]) != pending:
-                raise RuntimeError(f"proposer returned a tree rooted at {int(tree.tokens[0])}, expected pending token {pending}")
-            tree = tree.prune_depth(cfg.max_new_tokens - len(new) - 1)
-            b = _clock(device)
-            # 3. verify
-            out = target.forward_tree(tree)
-            c = _clock(device)
-            acc = verify(tree, out.logits, cfg.sampling, gen)
-            trace = None
-            if cfg.trace:  # read-only; its time is taken out of this step's clock below
-                t = _clock(device)
-                trace = step_trace(tree, acc, out.logits)
-                traced = _clock(device) - t
-                trace_s += traced
-                c += traced
-            # 4. emit, cut at the first stop token
-            emitted = acc.new_tokens
-            m = next((i + 1 for i, tok in enumerate(emitted) if tok in stop), len(emitted))
-            m = min(m, cfg.max_new_tokens - len(new))
-            if emitted[m - 1] in stop:
-                stop_reason = "stop_token"
-            # 5. commit the kept path: root + the first m-1 accepted nodes; the m-th token is pending
-            kept = acc.nodes[:m]
-            target.commit(kept)
-            self.committed += acc.tokens[:m].tolist()
-            if self.proposer is not None:
-                self._features.append(out.features[kept])
-            new += emitted[:m]
-            pending = emitted[m - 1]
-            deepest = int(acc.nodes[-1])
-            source = int(tree.source[deepest]) if acc.accepted > 0 else -1
-            sources = int(tree.source_mask()[deepest]) if acc.accepted > 0 else 0
-            d = _clock(device)
-            steps.append(StepStats(accepted=acc.accepted, emitted=m, tree_size=tree.size, source=source,
-                                   draft_s=observe_s + (b - a), target_s=c - b, other_s=d - c, sources=sources,
-                                   info=info, trace=trace))
-            # 6. feed the accepted features back (only if decoding goes on)
-            observe_s = 0.0
-            if self.proposer is not None and stop_reason != "stop_token" and len(new) < cfg.max_new_tokens:
-                e = _clock(device)
-                self.proposer.observe(acc, out.features[acc.nodes])
-                observe_s = _clock(device) - e
-        t2 = _clock(device)
-        return DecodeResult(tokens=new, steps=steps, prompt_tokens=len(context_ids), stop_reason=stop_reason,
-                            prefill_s=t1 - t0, total_s=t2 - t0 - trace_s, reused_prefix=keep, trace_s=trace_s)
+    def _commit(self, nodes: Tensor, tokens: Tensor, features: Tensor) -> None:
+        """Keep the KV rows and features of exactly the accepted nodes (root first), in order;
+        the last emitted token stays pending."""
+        self.target.commit(nodes)
+        self.committed += tokens.tolist()
+        self._features.append(features[nodes])
 
     def _features_prefix(self, n: int) -> list[Tensor]:
         if n == 0 or not self._features:
             return []
         return [torch.cat(self._features)[:n]]
+
+
+def _rooted_at(tree: DraftTree, pending: int) -> DraftTree:
+    if int(tree.tokens[0]) != pending:
+        raise RuntimeError(f"proposer returned a tree rooted at {int(tree.tokens[0])}, "
+                           f"expected pending token {pending}")
+    return tree
+
+
+def _cut(emitted: list[int], stop: set[int], room: int) -> list[int]:
+    """The emitted tokens up to and including the first stop token, at most `room` of them."""
+    m = next((i + 1 for i, tok in enumerate(emitted) if tok in stop), len(emitted))
+    return emitted[:min(m, room)]
 
 
 def generate(target: Target, proposer: Proposer | None, prompt_ids: list[int], cfg: DecodeConfig) -> DecodeResult:

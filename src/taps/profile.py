@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from taps import kv
+from taps.stopwatch import now
 from taps.target import Target
 from taps.tree import DraftTree, additive_mask
 
@@ -45,20 +46,14 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "gpu": gpu}
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _random_tree(n: int, root: int, vocab: int, gen: torch.Generator, device) -> DraftTree:
     """n nodes, root included, each non-root node under a random earlier node (shape barely
     changes the cost: every node attends to the prefix and a handful of ancestors)."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
     tokens = [root] + torch.randint(0, vocab, (n - 1,), generator=gen).tolist()
     zeros = torch.zeros(n, device=device)
-    return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
-                     logp=zeros, entropy=zeros, source=torch.zeros(n, dtype=torch.long, device=device))
+    return DraftTree.drafted(tokens=torch.tensor(tokens, device=device),
+                             parents=torch.tensor(parents, device=device), logp=zeros, entropy=zeros, drafter=0)
 
 
 def _prefixed(target: Target, prefix: int, gen: torch.Generator) -> None:
@@ -74,9 +69,9 @@ def time_target(target: Target, sizes=TREE_SIZES, prefix: int = 200, repeats: in
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):  # round 0 warms up
         for n in sizes:
-            t0 = _sync(target.device)
+            t0 = now(target.device)
             target.forward_tree(trees[n])
-            t1 = _sync(target.device)
+            t1 = now(target.device)
             target.commit(torch.zeros(1, dtype=torch.long, device=target.device))
             target.truncate(prefix)
             if round_:
@@ -103,11 +98,11 @@ def time_draft_level(head, target: Target, beams=BEAM_SIZES, prefix: int = 200, 
             feats = features[torch.arange(k, device=device) % prefix][None]  # [1, k, H]
             mask = additive_mask(torch.eye(k, dtype=torch.bool, device=device), None, ctx.length, None, feats.dtype)
             positions = torch.full((1, k), ctx.length, dtype=torch.long, device=device)
-            t0 = _sync(device)
+            t0 = now(device)
             hidden = head(tokens, feats, positions, mask, ctx.cache)[0]  # [k, H]
             logp = torch.log_softmax(head.logits(hidden).float(), dim=-1)  # [k, V]
             logp.topk(min(10, logp.shape[-1]), dim=-1)
-            t1 = _sync(device)
+            t1 = now(device)
             kv.truncate(ctx.cache, ctx.length)
             if round_:
                 times[k].append((t1 - t0) * 1e3)

@@ -5,6 +5,11 @@ not yet seen (it was sampled by the previous verification). Every other node is 
 whose parent precedes it (parents[i] < i), so a single left-to-right pass over the nodes visits
 ancestors before descendants. Everything else (depths, ancestor mask, paths, positions) derives
 from the parents array and is computed, never stored.
+
+Provenance is one required bitmask per node, `sources` (bit h: drafter h proposed it). `source`
+names the one drafter whose scores the node carries (of several that proposed it, the most
+confident): the drafter a step is credited to. A composition's tree also carries its members'
+own trees (`parts`), which the decoder hands back to the composition's observe().
 """
 
 from __future__ import annotations
@@ -22,19 +27,19 @@ class DraftTree:
     parents: Tensor  # [N] long, -1 for the root, parents[i] < i otherwise
     logp: Tensor  # [N] float, cumulative draft log-prob along the path (0 at the root)
     entropy: Tensor  # [N] float, entropy of the draft distribution that proposed the node (0 at the root)
-    source: Tensor  # [N] long, index of the drafter that proposed the node (-1 at the root)
-    # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root),
-    # or None when each node has the single drafter in `source` (see source_mask()). Set by the
-    # merges below, where a node shared by several drafters' trees records all of them.
-    sources: Tensor | None = None
+    # [N] long, the drafter whose logp and entropy the node carries: the one that proposed it, or
+    # of several (a trie merge) the most confident; -1 at the root
+    source: Tensor
+    sources: Tensor  # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root)
+    # the member trees a composition drafted this step, in member order (None: a member that did
+    # not draft), handed back to each member's observe(); () for a drafter's own tree
+    parts: tuple = ()
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for name in ("parents", "logp", "entropy", "source"):
+        for name in ("parents", "logp", "entropy", "source", "sources"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"DraftTree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
-        if self.sources is not None and self.sources.shape != (n,):
-            raise ValueError(f"DraftTree.sources has shape {tuple(self.sources.shape)}, expected ({n},)")
         if n == 0 or int(self.parents[0]) != -1:
             raise ValueError("DraftTree node 0 must be the root (parents[0] == -1)")
         if n > 1:
@@ -45,28 +50,27 @@ class DraftTree:
 
     # ----------------------------------------------------------------------------------------
     @classmethod
+    def drafted(cls, tokens: Tensor, parents: Tensor, logp: Tensor, entropy: Tensor, drafter: int) -> "DraftTree":
+        """One drafter's tree: every node below the root proposed by `drafter`."""
+        source = torch.full_like(parents, drafter)
+        source[0] = -1
+        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, source=source,
+                   sources=drafter_bits(source))
+
+    @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
         """A tree with no draft nodes: verifying it is one step of plain decoding."""
-        return cls(
-            tokens=torch.tensor([token], dtype=torch.long, device=device),
-            parents=torch.tensor([-1], dtype=torch.long, device=device),
-            logp=torch.zeros(1, device=device),
-            entropy=torch.zeros(1, device=device),
-            source=torch.full((1,), -1, dtype=torch.long, device=device),
-        )
+        return cls.drafted(tokens=torch.tensor([token], dtype=torch.long, device=device),
+                           parents=torch.tensor([-1], dtype=torch.long, device=device),
+                           logp=torch.zeros(1, device=device), entropy=torch.zeros(1, device=device), drafter=-1)
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
-    def source_mask(self) -> Tensor:  # [N] long bitmask of the drafters that proposed each node (0 at the root)
-        if self.sources is not None:
-            return self.sources
-        return torch.where(self.source >= 0, 1 << self.source.clamp(min=0), torch.zeros_like(self.source))
-
     def source_sets(self) -> list[list[int]]:
         """For each node, the indices of every drafter that proposed it (empty at the root)."""
-        return [[h for h in range(mask.bit_length()) if mask >> h & 1] for mask in self.source_mask().tolist()]
+        return [[h for h in range(mask.bit_length()) if mask >> h & 1] for mask in self.sources.tolist()]
 
     @property
     def confidence(self) -> Tensor:  # [N] product of draft probabilities along the path (1 at the root)
@@ -160,6 +164,11 @@ def additive_mask(
     return mask[None, None]
 
 
+def drafter_bits(source: Tensor) -> Tensor:
+    """[N] long bitmask of one drafter per node: bit source[i] (0 where source is -1, the root)."""
+    return torch.where(source >= 0, 1 << source.clamp(min=0), torch.zeros_like(source))
+
+
 # ---- merging the trees of several drafters (SPEC §4 merged trees, §7 trie and budget merges) ----
 # Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
 # attributed to drafter h (whatever their own `source` says). Output: one DraftTree whose nodes
@@ -205,8 +214,7 @@ def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
         offset += tree.size - 1
     source_t = torch.cat(source)
     return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), logp=torch.cat(logp),
-                     entropy=torch.cat(entropy), source=source_t,
-                     sources=torch.where(source_t >= 0, 1 << source_t.clamp(min=0), torch.zeros_like(source_t)))
+                     entropy=torch.cat(entropy), source=source_t, sources=drafter_bits(source_t))
 
 
 def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
@@ -259,8 +267,7 @@ def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
     if bool((new_parents[1:] < 0).any()):
         raise ValueError("keep_nodes: a kept node's parent was not kept")
     return DraftTree(tokens=tree.tokens[keep], parents=new_parents, logp=tree.logp[keep],
-                     entropy=tree.entropy[keep], source=tree.source[keep],
-                     sources=None if tree.sources is None else tree.sources[keep])
+                     entropy=tree.entropy[keep], source=tree.source[keep], sources=tree.sources[keep])
 
 
 def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:

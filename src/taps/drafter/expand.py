@@ -95,10 +95,10 @@ def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int 
     node_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
 
     long = lambda *xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return DraftTree(
+    return DraftTree.drafted(
         tokens=torch.cat([long(ctx.root_token), tokens[keep]]),
         parents=torch.cat([long(-1), node_parents]),
         logp=torch.cat([torch.zeros(1, device=device), scores[keep]]),
         entropy=torch.cat([torch.zeros(1, device=device), entropies[keep]]),
-        source=torch.cat([long(-1), torch.full((keep.numel(),), source, dtype=torch.long, device=device)]),
+        drafter=source,
     )

@@ -1,15 +1,20 @@
 """The Proposer protocol: the only thing decode.py knows about drafting.
 
-A routed or merged proposer is a new class with these three methods; decode.py and verify.py
+A routed or merged proposer is a new class with these four methods; decode.py and verify.py
 do not change. Contract (batch size 1):
 - start(features, tokens): a new context. tokens [T+1] is the whole sequence so far, ending
   with the pending token the target has not seen; features [T, H] are the target's last-layer
   features at positions 0..T-1.
 - propose(): a DraftTree whose root token is the pending token.
-- observe(acceptance, features): the target accepted `acceptance.nodes` of the last tree and
-  emitted `acceptance.bonus`; features [A+1, H] are the target's features at the accepted nodes.
-Optionally, step_info() -> dict: the proposer's record of the tree it just proposed (routing
-scores, merge sizes); decode.py stores it in that step's StepStats.info.
+- observe(tree, acceptance, features): `tree` is what this proposer's propose() returned (before
+  the decoder trimmed it), the target accepted `acceptance.nodes` of the verified tree and emitted
+  `acceptance.bonus`; features [A+1, H] are the target's features at the accepted nodes. A
+  proposer keeps no tree between calls: what it learns from its own tree (a policy's
+  calibration, lookup's acceptance rate, a merge's accepted drafters) it reads from `tree`, and a
+  composition finds its members' trees in `tree.parts`.
+- step_info() -> dict: the proposer's record of the tree it just proposed (routing scores, merge
+  sizes, auto-tree sizes; {} if none); decode.py stores it in that step's StepStats.info.
+Plain decoding is PlainProposer: a root-only tree each step.
 """
 
 from __future__ import annotations
@@ -29,7 +34,31 @@ class Proposer(Protocol):
 
     def propose(self) -> DraftTree: ...
 
-    def observe(self, acceptance: Acceptance, features: Tensor) -> None: ...
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None: ...
+
+    def step_info(self) -> dict: ...
+
+
+class PlainProposer:
+    """Plain decoding: the root alone every step (verifying it is one step of the target)."""
+
+    def __init__(self) -> None:
+        self._pending: int | None = None  # the token the target has not seen yet
+        self._device = None
+
+    def start(self, features: Tensor, tokens: Tensor) -> None:
+        self._pending, self._device = int(tokens[-1]), tokens.device
+
+    def propose(self) -> DraftTree:
+        if self._pending is None:
+            raise RuntimeError("propose() before start()")
+        return DraftTree.root_only(self._pending, self._device)
+
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
+        self._pending = acceptance.bonus
+
+    def step_info(self) -> dict:
+        return {}
 
 
 class ProposerGroup:
@@ -55,3 +84,9 @@ class ProposerGroup:
     def _check_started(self) -> None:
         if self._turn < 0:
             raise RuntimeError("propose() before start()")
+
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
+        """Every member that drafted `tree` (its tree in tree.parts) consumes the step."""
+        for proposer, part in zip(self.proposers, tree.parts):
+            if part is not None:
+                proposer.observe(part, acceptance, features)

@@ -2,6 +2,7 @@
 study configs spell) to a Proposer. Algorithms never see these strings: each name maps to a class,
 a signal or a function.
 
+    baseline plain decoding                               PlainProposer
     single   one drafter                                  SingleProposer
     average  the weighted average of the drafters' heads  SingleProposer(average_heads(...))
     route    per-step or per-turn routing                 RoutedProposer(signal, granularity)
@@ -24,7 +25,7 @@ from taps.config import TreeConfig
 from taps.drafter.average import average_heads
 from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
-from taps.propose.base import Proposer
+from taps.propose.base import PlainProposer, Proposer
 from taps.propose.lookup import LookupProposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
@@ -79,11 +80,11 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
 
 
 def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig, policy=None,
-            average: Callable[[], EagleHead] | None = None, where: str | None = None) -> Proposer | None:
+            average: Callable[[], EagleHead] | None = None, where: str | None = None) -> Proposer:
     """The proposer of a checked spec over its loaded members (`heads`, in spec.drafters order);
-    None for the baseline. `average`: the averaged head, if the caller keeps one (HeadPool)."""
+    `average`: the averaged head, if the caller keeps one (HeadPool)."""
     if spec.strategy == "baseline":
-        return None
+        return PlainProposer()
     names = list(heads)
     if spec.strategy == "average":
         lookups = [n for n in names if isinstance(heads[n], LookupSpec)]
@@ -118,9 +119,9 @@ class HeadPool:
     def heads(self, spec: VariantSpec) -> dict[str, "EagleHead | LookupSpec"]:
         return {name: self.head(path) for name, path in spec.drafters}
 
-    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None) -> Proposer | None:
-        """A fresh proposer for one conversation (None for the baseline); `policy`: a factory of
-        cost-aware tree policies, or None for fixed trees."""
+    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None) -> Proposer:
+        """A fresh proposer for one conversation; `policy`: a factory of cost-aware tree policies,
+        or None for fixed trees."""
         heads = self.heads(spec)
         key = (tuple(str(Path(d).resolve()) for _, d in spec.drafters), spec.weights)
 

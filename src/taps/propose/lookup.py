@@ -42,7 +42,6 @@ class LookupProposer:
         self.accepted, self.tried = 1.0, 2.0  # Beta(1, 1): q starts at 0.5
         self._seq: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
-        self._last: DraftTree | None = None
         self._device = torch.device("cpu")
 
     # ---- the sequence and its index ------------------------------------------------------------
@@ -60,7 +59,7 @@ class LookupProposer:
 
     # ---- the Proposer protocol ---------------------------------------------------------------
     def start(self, features: Tensor, tokens: Tensor) -> None:
-        self._seq, self._follows, self._last = [], {}, None
+        self._seq, self._follows = [], {}
         self._device = tokens.device
         self._append(tokens.tolist())
 
@@ -98,27 +97,26 @@ class LookupProposer:
                 parents.append(node)
                 logp.append(d * log_q - math.log(rank + 1))
                 child[(node, token)] = node = len(tokens) - 1
-        n = len(tokens)
-        tree = DraftTree(
+        return DraftTree.drafted(
             tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
             logp=torch.tensor(logp, device=self._device),
-            entropy=torch.tensor([0.0] + [h_q] * (n - 1), device=self._device),
-            source=torch.tensor([-1] + [self.source] * (n - 1), dtype=torch.long, device=self._device),
+            entropy=torch.tensor([0.0] + [h_q] * (len(tokens) - 1), device=self._device),
+            drafter=self.source,
         )
-        self._last = tree
-        return tree
 
-    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
-        """Score the last tree against the tokens the target emitted (whichever tree was verified:
-        alone, routed or merged), then extend the sequence and its index."""
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
+        """Score this proposer's tree against the tokens the target emitted (whichever tree was
+        verified: alone, routed or merged), then extend the sequence and its index."""
         emitted = acceptance.new_tokens  # accepted draft tokens, then the bonus: the target's own tokens
-        if self._last is not None and self._last.size > 1:
-            matched, rejected = _walk(self._last, emitted)
+        if tree.size > 1:
+            matched, rejected = _walk(tree, emitted)
             self.accepted += matched
             self.tried += matched + int(rejected)
-        self._last = None
         self._append(emitted)
+
+    def step_info(self) -> dict:
+        return {}
 
 
 def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:

@@ -7,7 +7,8 @@ tree budget by the factory), passed in as `merge`:
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
 - budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
 Every drafter consumes every step's accepted features, so all stay in sync. The merged tree keeps
-each node's drafters (`source`: the most confident, `sources`: bitmask of all of them).
+each node's drafters (`source`: the most confident, `sources`: bitmask of all of them) and the
+members' own trees (`parts`, handed back to each member's observe()).
 Verification is unchanged: greedy takes the longest match, sampling tries each distinct child
 token once (verify.py pools nodes that share a token path), so the merge is lossless.
 
@@ -20,7 +21,7 @@ its last step, so that step's `accepted_sources` stays None.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -49,7 +50,7 @@ def accepted_path_sources(tree: DraftTree, tokens: list[int]) -> int:
         state = [c for node in state for c in kids[node] if tree_tokens[c] == token]
         if not state:
             return 0
-    masks = tree.source_mask().tolist()
+    masks = tree.sources.tolist()
     out = 0
     for node in state:
         out |= masks[node]
@@ -63,11 +64,6 @@ class MergedProposer(ProposerGroup):
         super().__init__(proposers, names)
         self.merge = merge
         self.records: list[MergeRecord] = []
-        self._last: DraftTree | None = None
-
-    def start(self, features: Tensor, tokens: Tensor) -> None:
-        super().start(features, tokens)
-        self._last = None
 
     def propose(self) -> DraftTree:
         self._check_started()
@@ -76,15 +72,12 @@ class MergedProposer(ProposerGroup):
         self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),
                                         merged_size=merged.size))
         self._step += 1
-        self._last = merged
-        return merged
+        return replace(merged, parts=tuple(trees))
 
-    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
-        if self._last is not None and self.records:
-            # by token path, not node id: the decoder may have trimmed the tree's depth
-            self.records[-1].accepted_sources = accepted_path_sources(self._last, acceptance.tokens[1:].tolist())
-        for proposer in self.proposers:
-            proposer.observe(acceptance, features)
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
+        # by token path, not node id: the decoder may have trimmed the tree's depth
+        self.records[-1].accepted_sources = accepted_path_sources(tree, acceptance.tokens[1:].tolist())
+        super().observe(tree, acceptance, features)
 
     def step_info(self) -> dict:
         last = self.records[-1] if self.records else None

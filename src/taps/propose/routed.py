@@ -4,19 +4,21 @@ SPEC §4, confidence routing (reference behaviour) and entropy routing, for any 
 - every drafter drafts a full tree from the same context;
 - a routing signal scores each tree from its own nodes (mean confidence over the non-root nodes,
   higher wins; or mean draft entropy, lower wins); ties go to the first drafter;
-- the winning tree is verified, with `source` relabelled to the winner's index, so the decoder's
-  StepStats.source names the chosen drafter whenever a draft token is accepted;
+- the winning tree is verified, with `source` and `sources` relabelled to the winner's index, so
+  the decoder's StepStats.source names the chosen drafter whenever a draft token is accepted;
 - granularity: per step (decide at every draft/verify step, the reference confidence router) or
   per turn (decide once, from the first trees after start(), as the reference entropy router).
 
 Every drafter consumes every step's accepted features (observe), so all draft caches stay in sync
 with the committed tokens and switching drafters costs no recomputation of the target. With a
 per-turn decision the losers are not needed again until the next start(), which re-encodes every
-drafter from the whole context, so only the winner is kept in sync.
+drafter from the whole context, so only the winner is kept in sync: the verified tree's `parts`
+hold the trees of the members that observe this step (the others are None).
 
-Each decision is logged in `decisions` (one RouteDecision per decision: turn, step, chosen
+Each decision is logged once, in `decisions` (one RouteDecision per decision: turn, step, chosen
 drafter, every drafter's score); `turn` counts start() calls and `step` indexes that turn's
-DecodeResult.steps, so the log joins the decoder's step stats. Verification is untouched:
+DecodeResult.steps, so the log joins the decoder's step stats; `chosen` (the verified drafter at
+every step of the current turn) is read from it. Verification is untouched:
 whichever tree is verified, the output distribution is the target's (SPEC §3).
 """
 
@@ -30,8 +32,7 @@ import torch
 from torch import Tensor
 
 from taps.propose.base import Proposer, ProposerGroup
-from taps.tree import DraftTree
-from taps.verify import Acceptance
+from taps.tree import DraftTree, drafter_bits
 
 
 def mean_confidence(tree: DraftTree) -> float:
@@ -76,45 +77,46 @@ class RoutedProposer(ProposerGroup):
         self.signal = signal
         self.per_turn = per_turn
         self.decisions: list[RouteDecision] = []
-        self.chosen: list[int] = []  # the verified drafter at every step of the current turn
-        self._winner: int | None = None  # per-turn decision, once made
+        self._turn_start = 0  # index of the current turn's first decision
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
         super().start(features, tokens)
-        self._winner = None
-        self.chosen = []
+        self._turn_start = len(self.decisions)
+
+    @property
+    def chosen(self) -> list[int]:
+        """The verified drafter at every step of the current turn."""
+        made = self.turn_decisions()
+        return [made[0].chosen] * self._step if self.per_turn and made else [d.chosen for d in made]
 
     def propose(self) -> DraftTree:
         self._check_started()
-        if self._winner is not None:  # per-turn routing, decided earlier in this turn
-            winner, tree = self._winner, self.proposers[self._winner].propose()
+        made = self.turn_decisions() if self.per_turn else []
+        if made:  # per-turn routing, decided earlier in this turn
+            winner = made[0].chosen
+            trees = [self.proposers[i].propose() if i == winner else None for i in range(len(self.proposers))]
         else:
             trees = [proposer.propose() for proposer in self.proposers]
             scores = tuple(self.signal.score(t) for t in trees)
             winner = self.signal.choose(scores)
-            tree = trees[winner]
             self.decisions.append(RouteDecision(turn=self._turn, step=self._step, chosen=winner, scores=scores,
                                                 signal=self.signal.name))
-            if self.per_turn:
-                self._winner = winner
-        self.chosen.append(winner)
         self._step += 1
+        tree = trees[winner]
         source = torch.where(tree.source >= 0, torch.full_like(tree.source, winner), tree.source)  # [N]
-        return replace(tree, source=source, sources=None)
-
-    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
-        keep_in_sync = [self._winner] if self._winner is not None else range(len(self.proposers))
-        for i in keep_in_sync:
-            self.proposers[i].observe(acceptance, features)
+        # per turn, the losers are not kept in sync (the next start() re-encodes them)
+        parts = tuple(t if i == winner or not self.per_turn else None for i, t in enumerate(trees))
+        return replace(tree, source=source, sources=drafter_bits(source), parts=parts)
 
     def step_info(self) -> dict:
         """The last proposal's routing: chosen drafter, and every score if a decision was made then."""
-        last = self.decisions[-1] if self.decisions else None
-        fresh = last is not None and last.turn == self._turn and last.step == self._step - 1
-        return {"route_chosen": self.chosen[-1] if self.chosen else None,
-                "route_scores": list(last.scores) if fresh else None}
+        made = self.turn_decisions()
+        fresh = bool(made) and made[-1].step == self._step - 1
+        return {"route_chosen": made[-1].chosen if made else None,
+                "route_scores": list(made[-1].scores) if fresh else None}
 
     def turn_decisions(self, turn: int | None = None) -> list[RouteDecision]:
         """Decisions of one turn (default: the current one)."""
-        turn = self._turn if turn is None else turn
+        if turn is None or turn == self._turn:
+            return self.decisions[self._turn_start:]
         return [d for d in self.decisions if d.turn == turn]

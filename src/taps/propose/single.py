@@ -21,7 +21,6 @@ class SingleProposer:
         self.source = source
         self.policy = policy  # drafter.auto_tree.AutoTree or None (fixed trees)
         self._ctx: HeadContext | None = None
-        self._last: DraftTree | None = None
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
         if tokens.shape[0] != features.shape[0] + 1:
@@ -31,15 +30,13 @@ class SingleProposer:
     def propose(self) -> DraftTree:
         if self._ctx is None:
             raise RuntimeError("propose() before start()")
-        self._last = expand_tree(self.head, self._ctx, self.tree, self.source, self.policy)
-        return self._last
+        return expand_tree(self.head, self._ctx, self.tree, self.source, self.policy)
 
-    def observe(self, acceptance: Acceptance, features: Tensor) -> None:
-        if self.policy is not None and self._last is not None and self._last.size > 1:
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
+        if self.policy is not None and tree.size > 1:
             # by token path, not node id: the decoder may have trimmed the tree, or verified another one
-            on_path = path_nodes(self._last, acceptance.tokens[1:].tolist())  # [N] bool
-            self.policy.observe(self._last.confidence[1:], on_path[1:])
-        self._last = None
+            on_path = path_nodes(tree, acceptance.tokens[1:].tolist())  # [N] bool
+            self.policy.observe(tree.confidence[1:], on_path[1:])
         next_tokens = torch.tensor(acceptance.new_tokens, dtype=torch.long, device=features.device)  # [A+1]
         self._ctx = consume(self.head, self._ctx, next_tokens, features)
 
