@@ -55,6 +55,8 @@ def ws(tmp_path_factory):
     (ws / "afile").write_text("a file, not a directory\n")
     (ws / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["How many clips?"]}) + "\n")
     (ws / "noq.jsonl").write_text("\n")
+    (ws / "badrun").mkdir()
+    (ws / "badrun" / "run.json").write_text('{"tree": [6, 2, 2],\n')
     shutil.copytree(ws / "tgt", ws / "cut")
     weights = ws / "cut" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -201,6 +203,8 @@ CASES = [
      ["--depth 6", "--total-tokens 4"]),
     ("eval-device-tpu", EVAL + ["--out", "{ws}/ex", "--device", "tpu"], ["--device"]),
     ("eval-out-is-file", EVAL + ["--out", "{ws}/afile"], ["afile"]),
+    ("report-corrupt-run-json", ["report", "{ws}/badrun", "--out", "{ws}/rx"],
+     ["badrun/run.json", "not valid JSON", "line 2", "expected the run.json of `taps eval`"]),
     # study, averaging, profile, targets, tables
     ("reproduce-unknown-stage", ["reproduce", "{ws}/nostudy.yaml", "--stages", "evall"], ["evall"]),
     ("reproduce-missing-config", ["reproduce", "{ws}/nostudy.yaml", "--dry-run"], ["nostudy.yaml"]),

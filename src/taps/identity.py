@@ -17,6 +17,8 @@ import struct
 import sys
 from pathlib import Path
 
+from taps.jsonl import read_json
+
 WINDOWS, WINDOW = 256, 4096
 _cache: dict[tuple, str] = {}
 
@@ -57,10 +59,7 @@ def weights_identity(model_dir: str | Path) -> str:
     if key in _cache:
         return _cache[key]
     h = hashlib.sha256()
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptWeightsError(f"{model_dir / 'config.json'}: not valid JSON ({err})") from None
+    config = read_json(model_dir / "config.json", "a model's config", CorruptWeightsError)
     for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         config.pop(volatile, None)
     h.update(json.dumps(config, sort_keys=True).encode())

@@ -9,14 +9,16 @@ Two kinds of JSONL file:
   (repair_torn=True), never a complete line.
 A bad line is an error naming the file and line (`PATH:N: invalid JSON (...)`, or with
 `at=LINE_WORD`, `PATH: line N: ...`); a file that is not UTF-8 names the line and column.
-write_json_atomic writes a whole JSON document (manifests, summaries) via a rename.
+Whole JSON documents (run.json, manifests, summaries, tables, checkpoint state, cached profiles,
+configs): read_json reads one, a bad one is an error naming the file, where it breaks and what was
+expected; write_json_atomic writes one via a rename.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ class JsonlFormatError(ValueError):
     pass
 
 
-def decode_utf8(data: bytes, path: str | Path) -> str:
+def decode_utf8(data: bytes, path: str | Path, error: Callable[[str], Exception] = JsonlFormatError) -> str:
     """Bytes of a text file as str (a UTF-8 BOM dropped); bytes that are not UTF-8 are an error
     naming the file, line and column, not a bare UnicodeDecodeError."""
     try:
@@ -36,8 +38,31 @@ def decode_utf8(data: bytes, path: str | Path) -> str:
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise JsonlFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column}); "
-                               "expected a UTF-8 file") from None
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column}); "
+                    "expected a UTF-8 file") from None
+
+
+def read_json(path: str | Path, expected: str, error: Callable[[str], Exception] = JsonlFormatError,
+              kind: type | None = dict) -> Any:
+    """A whole JSON document (a missing file is the caller's FileNotFoundError). Text that is not
+    UTF-8 or not JSON, or a value that is not a `kind` (an object by default; None: any value), is
+    `error` naming the file and `expected`, e.g. "a features manifest"."""
+    path = Path(path)
+    text = decode_utf8(path.read_bytes(), path, error)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
+                    f"expected {expected}") from None
+    if kind is not None and not isinstance(value, kind):
+        raise error(f"{path}: a JSON {_JSON_NAMES.get(type(value), type(value).__name__)}, not "
+                    f"{'an object' if kind is dict else 'an array' if kind is list else kind.__name__}; "
+                    f"expected {expected}")
+    return value
+
+
+_JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
 
 
 def parse_json_line(line: str | bytes, where: str, error: type[ValueError] = JsonlFormatError) -> Any:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from taps import kv
+from taps.jsonl import read_json, write_json_atomic
 from taps.stopwatch import now
 from taps.target import Target
 from taps.tree import DraftTree, additive_mask
@@ -124,13 +125,11 @@ def profile(target: Target, head=None, drafter_digest: str | None = None, measur
             repeats: int = 5, prefix: int = 200, root: Path | None = None) -> dict:
     """The cached profile for this machine, target, dtype and threads (measured if missing or
     `measure`); with a head, its draft levels too."""
-    from taps.jsonl import write_json_atomic
-
     dtype = str(target.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     path = profile_path(target.name, dtype, threads, drafter_digest, root)
     if path.is_file() and not measure:
-        cached = json.loads(path.read_text())
+        cached = read_json(path, "a cached profile of this machine (taps profile --measure replaces it)")
         if cached.get("format_version") == FORMAT_VERSION and (head is None or "draft_level_ms" in cached):
             return {**cached, "path": str(path)}
     result = {"format_version": FORMAT_VERSION, "machine": machine(), "target": target.name, "dtype": dtype,

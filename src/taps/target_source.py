@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from taps.jsonl import read_json, write_json_atomic
 
 GGUF_MAGIC = b"GGUF"
 
@@ -188,8 +189,6 @@ def convert_gguf(path: Path, out: Path, dtype: str = "float32", source_name: str
     template, generation config) from a GGUF file; atomically: `out` appears whole or not at all."""
     import torch
 
-    from taps.jsonl import write_json_atomic
-
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise TargetSourceError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
@@ -204,7 +203,7 @@ def convert_gguf(path: Path, out: Path, dtype: str = "float32", source_name: str
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        config = json.loads((tmp / "config.json").read_text())
+        config = read_json(tmp / "config.json", "the converted model's config")
         if "quantization_config" in config:  # never reload through the GGUF path
             del config["quantization_config"]
             write_json_atomic(tmp / "config.json", config)

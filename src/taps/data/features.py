@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from taps.data.chat import encode_conversation
 from taps.identity import MismatchError, check_same
-from taps.jsonl import read_json_lines, write_json_atomic
+from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
 
 MANIFEST = "manifest.json"
@@ -109,11 +109,8 @@ def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_r
 
 
 def read_manifest(path: Path) -> dict:
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise FeaturesError(f"{path}: not a valid features manifest ({err})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+    manifest = read_json(path, "a features manifest (an object with a 'shards' list)", FeaturesError)
+    if not isinstance(manifest.get("shards"), list):
         raise FeaturesError(f"{path}: not a features manifest (expected an object with a 'shards' list)")
     return manifest
 

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from taps.drafter.head import EagleHead, head_config_for
+from taps.jsonl import read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -182,10 +183,7 @@ def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:
     cfg_path = Path(path) / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: missing; a drafter directory needs config.json and {WEIGHTS_NAME}")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{cfg_path}: invalid JSON at line {err.lineno}: {err.msg}") from None
+    config = read_json(cfg_path, "a drafter's config (an object of head sizes)", CheckpointError)
     for key in ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"):
         if key not in config:
             raise CheckpointError(f"{cfg_path}: key '{key}' is missing")

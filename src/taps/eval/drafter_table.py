@@ -8,14 +8,15 @@ or settings changed, so a table can grow while heads are still training."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
 
+from taps import workers
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, weights_digest
+from taps.jsonl import read_json, write_json_atomic
 from taps.propose.single import SingleProposer
 from taps.eval.benchmarks import load_benchmark
 from taps.target import Target
@@ -76,10 +77,7 @@ def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, 
     path = Path(previous_json)
     if not path.is_file():
         return {}
-    try:
-        old = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete it to measure every drafter again") from None
+    old = read_json(path, "an earlier drafter table (delete it to measure every drafter again)", ValueError, kind=None)
     if not isinstance(old, dict) or old.get("settings") != settings:
         return {}
     return {name: row for name, row in old.get("drafters", {}).items()
@@ -128,13 +126,11 @@ def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_d
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     import torch
 
-    from taps.train.family import untaken
-
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device="cpu", dtype=dtype)
     n, temperatures, max_new_tokens, seed = args
 
-    for name in untaken(order, taken):
+    for name in workers.untaken(order, taken):
         t0 = time.time()
         try:
             row = acceptance_table(target, {name: drafters[name]}, data_dir, n, temperatures, max_new_tokens,
@@ -147,18 +143,13 @@ def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_d
 def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, data_dir, args: tuple,
                         jobs: int, save: Callable) -> None:
     """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
-    import multiprocessing
-    import os
     import queue
 
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-    taken, results = ctx.Value("i", 0), ctx.Queue()
+    taken, results = workers.counter(), workers.SPAWN.Queue()
     jobs = min(jobs, len(todo))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    procs = [ctx.Process(target=_table_worker, args=(target_dir, dtype, todo, str(data_dir), args, list(todo), taken,
-                                                      results, threads)) for _ in range(jobs)]
-    for proc in procs:
-        proc.start()
+    threads = workers.cores_each(jobs)
+    procs = workers.start(_table_worker, [(target_dir, dtype, todo, str(data_dir), args, list(todo), taken, results,
+                                           threads)] * jobs)
     pending, errors = set(todo), []
     while pending:
         try:
@@ -173,8 +164,7 @@ def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dty
             continue
         table[name] = row
         save(name, table, seconds)
-    for proc in procs:
-        proc.join()
+    workers.join(procs)
     if errors or pending:
         failed = errors + sorted(f"{name} (its worker died)" for name in pending)
         raise RuntimeError(f"drafter table: not measured: {', '.join(failed)}; the rows measured are saved, and a "
@@ -193,8 +183,6 @@ def to_markdown(table: dict, temperatures: tuple[float, ...] = (0.0, 1.0)) -> st
 def write_table(table: dict, out: str | Path, temperatures=(0.0, 1.0), settings: dict | None = None,
                 weights: dict | None = None) -> None:
     """OUT.json ({"settings", "weights", "drafters"}) and OUT.md, each replaced atomically."""
-    from taps.jsonl import write_json_atomic
-
     out = Path(out)
     write_json_atomic(out.with_suffix(".json"), {"settings": settings or {}, "weights": weights or {}, "drafters": table})
     tmp = out.with_name(out.name + ".md.tmp")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from taps.eval import metrics as m
 from taps.eval.runner import RUN_INFO
+from taps.jsonl import read_json
 
 BENCH_ORDER = ("mt_bench", "gsm8k", "math500", "svamp")  # the paper's column order; others follow
 BACKBONES = ("eagle2", "hass")  # name prefixes (study.PAPER_VARIANTS) that group the entropy figure
@@ -153,7 +153,8 @@ def load_run(results_dir: str | Path) -> Run:
     if not (root / RUN_INFO).is_file():
         raise FileNotFoundError(f"{root / RUN_INFO} is missing: {root} was not made by `taps eval` (run.json "
                                 "records the target, tree and variants the records were decoded with)")
-    return Run(root, json.loads((root / RUN_INFO).read_text()), m.load_results(root))
+    info = read_json(root / RUN_INFO, "the run.json of `taps eval` (target, tree and variants of the records)")
+    return Run(root, info, m.load_results(root))
 
 
 def _t(temperature: float) -> str:

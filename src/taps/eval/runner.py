@@ -17,7 +17,6 @@ records.jsonl and removes them.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from contextlib import nullcontext
@@ -25,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from taps import workers
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
@@ -33,7 +33,7 @@ from taps.eval.benchmarks import Question
 from taps.eval.records import conversation_key, read_records, record_key, turn_record
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
-from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic
+from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
 
 RECORDS = "records.jsonl"
@@ -107,10 +107,8 @@ def check_run_info(out: Path, info: dict) -> dict:
     path = out / RUN_INFO
     if not path.is_file():
         return info
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ResultsMismatchError(f"{path}: not valid JSON ({err}); fix or remove it", RUN_INFO) from None
+    old = read_json(path, "the run.json of these results (fix or remove it)",
+                    lambda message: ResultsMismatchError(message, RUN_INFO))
     for key in ("target_fingerprint", "tree", "tree_mode", "max_new_tokens", "seed", "top_p"):
         if old.get(key) != info.get(key):  # tree_mode is only written for auto trees
             raise ResultsMismatchError(
@@ -261,19 +259,10 @@ def run_eval_jobs(target_spec: str, device: str, dtype: str, variants: Sequence[
 
 
 def _run_eval_jobs(target_spec, device, dtype, variants, questions, out: Path, settings, jobs, progress) -> int:
-    import multiprocessing
-    import os
-
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-    procs = [ctx.Process(target=_eval_worker, args=(target_spec, device, dtype, list(variants), list(questions),
-                                                     str(out), settings, Shard(rank, jobs), progress and rank == 0,
-                                                     threads)) for rank in range(jobs)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
-    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    threads = workers.cores_each(jobs)
+    failed = workers.join(workers.start(_eval_worker, [
+        (target_spec, device, dtype, list(variants), list(questions), str(out), settings, Shard(rank, jobs),
+         progress and rank == 0, threads) for rank in range(jobs)]))
     merge_shards(out)  # what the finished workers wrote is kept either way; a rerun decodes the rest
     if failed:
         raise RuntimeError(f"eval worker(s) {', '.join(map(str, failed))} of {jobs} failed (see the traceback above); "

@@ -16,7 +16,6 @@ features and drafters and resumes an interrupted training from its last checkpoi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -24,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from taps.jsonl import read_jsonl, write_json_atomic, write_jsonl
+from taps import workers
+from taps.jsonl import read_json, read_jsonl, write_json_atomic, write_jsonl
 
 DOMAINS = ("chat", "math", "mixed-small", "mixed-large")
 BACKBONES = ("eagle2", "hass")
@@ -155,10 +155,8 @@ def _read_summary(out: Path) -> dict:
     path = out / "drafters.json"
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); fix or delete it (the heads themselves are kept)") from None
+    return read_json(path, "the summary of this family's heads (fix or delete it: the heads themselves are kept)",
+                     ValueError)
 
 
 # what a head's weights depend on besides the target: heads of one OUT must share them, as a build
@@ -257,18 +255,6 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     log(f"{name}: {entry['final']}")
 
 
-def untaken(order: list, taken):
-    """The items of `order` this process takes, one at a time, from `taken` (a shared
-    multiprocessing.Value counter): worker processes split a queue without fixed shares."""
-    while True:
-        with taken.get_lock():
-            i = taken.value
-            taken.value += 1
-        if i >= len(order):
-            return
-        yield order[i]
-
-
 def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: list, taken, threads: int,
             index: int) -> None:
     """One process of `--jobs N`: takes the next untaken head of `order` (a shared counter) until
@@ -280,27 +266,19 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: 
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}  # those the heads need exist
-    for backbone, domain in untaken(order, taken):
+    for backbone, domain in workers.untaken(order, taken):
         log(f"worker {index}: {backbone}-{domain}")
         _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
 
 
 def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, order: list, jobs: int) -> None:
-    import multiprocessing
-    import os
-
     jobs = min(jobs, len(order))
-    threads = recipe.threads or max(1, (os.cpu_count() or 1) // jobs)
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
-    taken = ctx.Value("i", 0)  # heads of `order` handed out so far
+    threads = recipe.threads or workers.cores_each(jobs)
+    taken = workers.counter()  # heads of `order` handed out so far
     log(f"{jobs} workers ({threads} thread(s) each) take the heads in this order: "
         f"{', '.join(f'{b}-{d}' for b, d in order)}")
-    procs = [ctx.Process(target=_worker, args=(recipe, str(target_dir), str(out), str(work), order, taken, threads, i))
-             for i in range(jobs)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
+    workers.join(workers.start(_worker, [(recipe, str(target_dir), str(out), str(work), order, taken, threads, i)
+                                         for i in range(jobs)]))
     failed = [f"{b}-{d}" for b, d in order if not _is_done(out, f"{b}-{d}")]
     if failed:
         raise RuntimeError(f"drafter training failed for {', '.join(failed)} (see the worker's traceback above); "

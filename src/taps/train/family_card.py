@@ -10,10 +10,9 @@ quotes a number that the build did not produce.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from taps.jsonl import read_json_lines
+from taps.jsonl import read_json, read_json_lines
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -28,7 +27,7 @@ def data_table(work: str | Path) -> str:
         manifest_path = work / f"features-{domain}" / "manifest.json"
         if not manifest_path.is_file():
             continue
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(manifest_path, "a features manifest")
         drawn = len(_jsonl(work / f"{domain}.jsonl"))
         regenerated = _jsonl(work / f"{domain}.regenerated.jsonl")
         ended = [r["regenerated"]["stop_reasons"][-1] == "stop_token" for r in regenerated]
@@ -42,7 +41,7 @@ def data_table(work: str | Path) -> str:
 
 def heads_table(out: str | Path) -> str:
     out = Path(out)
-    summary = json.loads((out / "drafters.json").read_text())
+    summary = read_json(out / "drafters.json", "the summary of a family's heads")
     epochs = summary.get("recipe", {}).get("epochs", "?")
     rows = ["| head | records | epochs | steps | training time | held-out top-1 (depth 1 / 2 / 3) | draft vocabulary "
             "(coverage) |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]

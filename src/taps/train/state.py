@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from taps.jsonl import read_json
+
 LATEST = "latest"
 
 
@@ -92,7 +94,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     import ast
 
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    state = read_json(path / "state.json", "a training checkpoint's state")
     model.load_state_dict(load_file(path / "model.safetensors"), strict=True)
     optimizer.load_state_dict(_unflatten_optimizer(load_file(path / "optimizer.safetensors"), state["optimizer"]))
     rng = load_file(path / "rng.safetensors")

@@ -22,7 +22,6 @@ resume under another draft vocabulary is refused.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ import torch
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.identity import MismatchError, check_same
-from taps.jsonl import append_jsonl, read_jsonl
+from taps.jsonl import append_jsonl, read_json, read_jsonl
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
@@ -247,8 +246,8 @@ class Trainer:
         ckpt = latest_checkpoint(self.out / "ckpt")
         if ckpt is None:
             return False
-        with open(ckpt / "state.json", encoding="utf-8") as f:  # checked before any state is restored
-            extra = json.load(f).get("extra", {})
+        # checked before any state is restored
+        extra = read_json(ckpt / "state.json", "a training checkpoint's state", TrainingError).get("extra", {})
         if extra.get("global_batch") != self.global_batch:
             raise TrainingError(f"{ckpt}: saved with global batch {extra.get('global_batch')}, this run "
                                 f"has {self.global_batch}; resume with the same batch layout")
