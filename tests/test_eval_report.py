@@ -16,7 +16,8 @@ from taps.drafter.checkpoint import write_untrained
 from taps.eval import records as rec_mod
 from taps.eval.benchmarks import Question
 from taps.eval.records import ENTROPY_BINS, check_record
-from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, register, speedup_overview, speedup_table,
+from taps.eval.commands import register_report as register
+from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table,
                               table1, table2, terminal_summary, write_report)
 from taps.eval.runner import EvalSettings, run_eval
 from taps.propose.spec import parse_variant

@@ -134,9 +134,12 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_the_checks_see_a_violation():
+def test_the_checks_see_a_violation(tmp_path):
     """The graph parser finds function-level and relative imports (a check that sees nothing passes)."""
     mods = modules()
-    assert "taps.study" in imports("taps.eval.commands", mods)  # imported inside functions
+    assert "taps.study" in imports("taps.eval.commands", mods)
     assert "taps.propose.base" in imports("taps.decode", mods)
+    fake = tmp_path / "fake.py"  # the package itself imports taps modules at module top only
+    fake.write_text("def f():\n    from taps.study import run_study\n    from ..tree import DraftTree\n")
+    assert {"taps.study", "taps.tree"} <= imports("taps.eval.fake", {**mods, "taps.eval.fake": fake})
     assert LAYERS.index(layer("taps.cli")) > LAYERS.index(layer("taps.study")) > LAYERS.index(layer("taps.eval.runner"))

@@ -1,12 +1,39 @@
-"""The `taps` command: each subcommand parses arguments and calls library functions, nothing more."""
+"""The `taps` command: every subcommand is registered here (those of a layer through its
+`commands.register`), and each handler is one call into a library function.
+
+Imports sit at module top: `taps --help` loads the library with them (torch and transformers;
+optional packages, such as accelerate for training, load only when a command needs them).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from taps.cli_args import DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int, tree_shape
+from safetensors import SafetensorError
+
+from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, number_list,
+                           positive_int, tree_shape)
+from taps.config import SamplingConfig, TreeConfig
+from taps.data import commands as data_commands
+from taps.decode import ContextWindowError
+from taps.drafter.checkpoint import CheckpointError, write_untrained
+from taps.eval import commands as eval_commands
+from taps.eval.drafter_table import table_of_directory
+from taps.outlock import OutputBusyError
+from taps.profile import profile_report
+from taps.propose import commands as propose_commands
+from taps.propose.generate import generate_prompt
+from taps.target_source import convert_target
+from taps.train import commands as train_commands
+from taps.train.draft_vocab import reduce_vocab
+from taps.train.trainer import TrainingError
+
+# a user's mistake, not a bug: one line and exit code 2 (main)
+USER_ERRORS = (CheckpointError, ContextWindowError, TrainingError, OutputBusyError, OSError, ValueError,
+               SafetensorError)
 
 
 def _ids(text: str) -> list[int]:
@@ -22,7 +49,7 @@ def _ids(text: str) -> list[int]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode a prompt, speculatively with --drafter or plainly without")
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
-    p.add_argument("--drafter", action="append", type=_named_drafter, metavar="[NAME=]DIR",
+    p.add_argument("--drafter", action="append", type=propose_commands.parse_named_drafter, metavar="[NAME=]DIR",
                    help="drafter directory (EAGLE layout), or `lookup` (prompt lookup, model-free); repeat to "
                         "combine several with --strategy; omit (and --variant) for plain decoding")
     src = p.add_mutually_exclusive_group(required=True)
@@ -39,69 +66,23 @@ def _add_generate(sub) -> None:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    from taps.propose.commands import add_strategy_arguments
-
-    add_strategy_arguments(p)
+    propose_commands.add_strategy_arguments(p)
     p.set_defaults(func=_generate)
 
 
-def _named_drafter(text: str) -> tuple[str, str]:
-    from taps.propose.commands import parse_named_drafter
-
-    return parse_named_drafter(text)
-
-
 def _generate(args) -> int:
-    from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-    from taps.decode import chat_ids, generate
-    from taps.propose.commands import composition
-    from taps.profile import auto_tree_policy
-    from taps.propose.factory import HeadPool
-    from taps.target import Target
-
-    spec = composition(args)
-    target = Target.load(args.target, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
-                         trust_remote_code=args.trust_remote_code)
-    tok = target.tokenizer
-    if args.prompt_ids is not None:
-        prompt = args.prompt_ids
-    elif tok is None:
-        raise ValueError(f"{args.target} has no tokenizer; use --prompt-ids")
-    elif args.raw:
-        prompt = tok(args.prompt)["input_ids"]
-    else:
-        prompt = chat_ids(tok, [{"role": "user", "content": args.prompt}])
-    pool, tree = HeadPool(target, args.attn), TreeConfig(*tree_shape(args)) if spec.drafters else None
-    policy = auto_tree_policy(target, pool.heads(spec), tree) if args.tree == "auto" and spec.drafters else None
-    proposer = pool.proposer(spec, tree, policy)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens,
-                       sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
-                       stop_token_ids=target.stop_token_ids(), seed=args.seed)
-    result = generate(target, proposer, prompt, cfg)
-    stop = set(cfg.stop_token_ids)
-    text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""
+    spec = propose_commands.composition(args)
+    out = generate_prompt(args.target, spec, args.prompt if args.prompt_ids is None else args.prompt_ids, raw=args.raw,
+                          tree=TreeConfig(*tree_shape(args)) if spec.drafters else None, auto_tree=args.tree == "auto",
+                          max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
+                          device=args.device, dtype=args.dtype, attn=args.attn,
+                          trust_remote_code=args.trust_remote_code)
     if args.json:
-        print(json.dumps({
-            "text": text,
-            "token_ids": result.tokens,
-            "new_tokens": len(result.tokens),
-            "prompt_tokens": result.prompt_tokens,
-            "steps": len(result.steps),
-            "verifier_calls": result.verifier_calls,
-            "acceptance_length": result.acceptance_length,
-            "accepted_per_step": [s.accepted for s in result.steps],
-            "drafter_per_step": [s.source for s in result.steps],
-            "step_info": [s.info for s in result.steps] if any(s.info for s in result.steps) else None,
-            "tokens_per_second": result.tokens_per_second,
-            "stop_reason": result.stop_reason,
-            "time_split_s": result.time_split(),
-            "total_s": result.total_s,
-        }))
+        print(json.dumps(out.as_json()))
     else:
-        print(text)
-        print(f"[{len(result.tokens)} tokens, {result.verifier_calls} verifier calls, "
-              f"acceptance length {result.acceptance_length:.2f}, {result.tokens_per_second:.1f} tokens/s]",
-              file=sys.stderr)
+        print(out.text)
+        print(out.summary(), file=sys.stderr)
     return 0
 
 
@@ -117,7 +98,7 @@ def _add_drafter(sub) -> None:
     reduce = dsub.add_parser("reduce-vocab", help="copy a drafter with a draft vocabulary: the N most frequent "
                                                   "target tokens of training features (EAGLE-3 / SGLang d2t, t2d)")
     reduce.add_argument("--drafter", required=True, help="drafter directory to copy (weights unchanged)")
-    reduce.add_argument("--features", required=True, metavar="DIR[,DIR...]",
+    reduce.add_argument("--features", required=True, type=comma_list, metavar="DIR[,DIR...]",
                         help="features directories whose assistant tokens are counted (DIR:LIMIT: first LIMIT records)")
     reduce.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size, 1..V")
     reduce.add_argument("--out", required=True, help="output drafter directory")
@@ -130,7 +111,8 @@ def _add_drafter(sub) -> None:
     table.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
                                           "else the Hugging Face hub)")
     table.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
-    table.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    table.add_argument("--temperatures", type=number_list, default="0,1", metavar="T[,T...]",
+                       help="comma-separated sampling temperatures")
     table.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap per question")
     table.add_argument("--out", required=True, help="writes OUT.md and OUT.json after each drafter; a rerun "
                                                     "measures only new or retrained drafters")
@@ -142,42 +124,19 @@ def _add_drafter(sub) -> None:
 
 
 def _drafter_table(args) -> int:
-    import os
-    from pathlib import Path
-
-    from taps.eval.drafter_table import to_markdown, update_table
-    from taps.target import Target
-
-    try:
-        temps = tuple(float(x) for x in args.temperatures.split(","))
-    except ValueError:
-        raise ValueError(f"--temperatures expects comma-separated numbers, got {args.temperatures!r}") from None
-    root = Path(args.drafters)
-    if not root.is_dir():
-        raise FileNotFoundError(f"--drafters {root}: no such directory")
-    drafters = {p.name: p for p in sorted(root.iterdir()) if (p / "model.safetensors").is_file()}
-    if not drafters:
-        raise FileNotFoundError(f"{root}: no drafter directories (<name>/model.safetensors)")
-    data_dir = args.data_dir or os.environ.get("TAPS_DATA_DIR")
-    table = update_table(Target.load(args.target, device="cpu", dtype=args.dtype), drafters, data_dir, args.out,
-                         args.n, temps, args.max_new_tokens, jobs=args.jobs, target_dir=args.target)
-    print(to_markdown(table, temps))
+    print(table_of_directory(args.target, args.drafters, args.out, args.data_dir, args.n, args.temperatures,
+                             args.max_new_tokens, args.jobs, args.dtype))
     return 0
 
 
 def _drafter_init(args) -> int:
-    from taps.drafter.checkpoint import write_untrained
-
     out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias)
     print(f"wrote an untrained drafter for {args.target} to {out}")
     return 0
 
 
 def _drafter_reduce_vocab(args) -> int:
-    from taps.train.draft_vocab import reduce_vocab
-
-    features = [f for f in args.features.split(",") if f.strip()]
-    out, vocab = reduce_vocab(args.drafter, features, args.size, args.out)
+    out, vocab = reduce_vocab(args.drafter, args.features, args.size, args.out)
     print(f"wrote {out}: a draft vocabulary of {args.size} tokens covers {vocab.coverage:.2%} of "
           f"{vocab.counted:,} assistant tokens")
     return 0
@@ -197,13 +156,7 @@ def _add_target(sub) -> None:
 
 
 def _target_convert(args) -> int:
-    from taps.target_source import convert_gguf, find_gguf, target_name
-
-    gguf = find_gguf(args.source)
-    if gguf is None:
-        raise ValueError(f"{args.source}: not a GGUF target (expected a .gguf file, a directory holding exactly one, "
-                         "or a known name); a Hugging Face directory needs no conversion")
-    out = convert_gguf(gguf, args.out, args.dtype, target_name(args.source))
+    out, gguf = convert_target(args.source, args.out, args.dtype)
     print(f"wrote {out} ({args.dtype}) from {gguf}")
     return 0
 
@@ -221,32 +174,7 @@ def _add_profile(sub) -> None:
 
 
 def _profile(args) -> int:
-    import torch
-
-    from taps.drafter.checkpoint import load_head, weights_digest
-    from taps.profile import profile
-    from taps.target import Target
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    target = Target.load(args.target, device=args.device, dtype=args.dtype)
-    head = load_head(args.drafter, target)[0] if args.drafter else None
-    result = profile(target, head, weights_digest(args.drafter) if args.drafter else None, measure=args.measure,
-                     repeats=args.repeats)
-    print(f"{result['target']} ({result['dtype']}, {result['threads']} thread(s), {result['machine']['cpu']}); "
-          f"profile: {result['path']}")
-    base = result["target_forward_ms"]["1"]
-    print("| tree tokens | target forward ms | x one token |\n| ---: | ---: | ---: |")
-    for n, ms in result["target_forward_ms"].items():
-        print(f"| {n} | {ms:.1f} | {ms / base:.2f} |")
-    if "draft_level_ms" in result:
-        print("\n| beams | draft level ms |\n| ---: | ---: |")
-        for k, ms in result["draft_level_ms"].items():
-            print(f"| {k} | {ms:.2f} |")
+    print(profile_report(args.target, args.drafter, args.threads, args.repeats, args.measure, args.device, args.dtype))
     return 0
 
 
@@ -265,19 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter(sub)
     _add_target(sub)
     _add_profile(sub)
-    from taps.data import commands as data_commands
-    from taps.eval import commands as eval_commands
-    from taps.propose import commands as propose_commands
-    from taps.train import commands as train_commands
-
     data_commands.register(sub)
     propose_commands.register(sub)
     train_commands.register(sub)
     eval_commands.register(sub)
     eval_commands.register_study(sub)
-    from taps.eval import report
-
-    report.register(sub)
+    eval_commands.register_report(sub)
     return parser
 
 
@@ -286,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     an unusable output path, a resume of another run, a busy output) exits with code 2 and one
     line naming the culprit; anything else is a bug and keeps its traceback. With --debug or
     TAPS_DEBUG=1 every error shows its traceback."""
-    import os
-
     argv = sys.argv[1:] if argv is None else list(argv)
     for arg in argv:
         try:
@@ -300,24 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("TAPS_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
-    except _user_errors() as err:
+    except USER_ERRORS as err:
         if debug:
             raise
         print(f"taps {args.command}: error: {user_message(err)}", file=sys.stderr)
         return 2
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean a user's mistake, not a bug (imported lazily: torch is slow to load)."""
-    from safetensors import SafetensorError
-
-    from taps.decode import ContextWindowError
-    from taps.drafter.checkpoint import CheckpointError
-    from taps.outlock import OutputBusyError
-    from taps.train.trainer import TrainingError
-
-    return (CheckpointError, ContextWindowError, TrainingError, OutputBusyError, OSError, ValueError,
-            SafetensorError)
 
 
 def user_message(err: BaseException) -> str:
@@ -329,8 +235,6 @@ def user_message(err: BaseException) -> str:
         elif isinstance(err, PermissionError):
             text += " (expected a path this user can write)"
     else:
-        from safetensors import SafetensorError
-
         text = str(err) if not isinstance(err, SafetensorError) else f"corrupt safetensors file ({err})"
     return " ".join(text.split()) or type(err).__name__
 

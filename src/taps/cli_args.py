@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import fields
 
 from taps.config import DEVICE_PATTERN
 
@@ -39,8 +42,6 @@ def tree_shape(args) -> tuple[int, int, int]:
 
 def device_arg(text: str) -> str:
     """--device: checked when parsed, so a typo fails before any model loads or worker starts."""
-    import re
-
     if not re.fullmatch(DEVICE_PATTERN, text):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {text!r}")
     return text
@@ -55,6 +56,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def number_list(text: str) -> tuple[float, ...]:
+    """Comma-separated numbers >= 0 (sampling temperatures)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
+
+
+def comma_list(text: str) -> list[str]:
+    """Comma-separated items (empty ones dropped)."""
+    return [item for item in text.split(",") if item.strip()]
 
 
 def add_device_arguments(p) -> None:
@@ -73,3 +90,28 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "(default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
+
+
+def add_settings(p, cls, only: Sequence[str] | None = None) -> None:
+    """One option per field of the settings dataclass `cls` declared with config.setting (all of
+    them, or those named in `only`): its flag, type, default and help come from the field."""
+    for f in fields(cls):
+        option = f.metadata.get("option")
+        if option is None or (only is not None and f.name not in only):
+            continue
+        kwargs = {"dest": f.name, "default": f.default, "help": option["help"]}
+        kind = str(f.type).split("|")[0].strip()
+        if kind == "bool":
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = positive_int if option["at_least"] == 1 else {"int": int, "float": float, "str": str}[kind]
+            for key in ("choices", "metavar"):
+                if option[key] is not None:
+                    kwargs[key] = list(option[key]) if key == "choices" else option[key]
+        p.add_argument(option["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
+
+
+def settings_from(cls, args, **others):
+    """An instance of `cls` from the options add_settings made (and `others`, its remaining fields)."""
+    given = {f.name: getattr(args, f.name) for f in fields(cls) if "option" in f.metadata and f.name not in others}
+    return cls(**given, **others)

@@ -1,11 +1,24 @@
-"""Plain configuration dataclasses shared by the decoder, the CLI and later the trainer."""
+"""Plain configuration dataclasses shared by the decoder, the CLI and the trainer, and the names
+the CLI shows without loading the pipeline (torch-free)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # --device values (checked by the CLI when parsed and by Target.load): auto, cpu, cuda, cuda:N, mps, xpu
 DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
+STUDY_STAGES = ("target", "drafters", "eval", "report")  # taps reproduce --stages, in order (taps.study)
+DEMO_OUT = "runs/demo-study"  # taps demo's default directory (taps.study.run_demo)
+
+
+def setting(default, help: str = "", *, flag: str | None = None, choices: Sequence[str] | None = None,
+            at_least: int | None = None, metavar: str | None = None):
+    """A field of a settings dataclass that is also a command-line option, declared once:
+    cli_args.add_settings makes the option from the field's name, type and default and these
+    (the help, the flag where it is not --FIELD-NAME, the choices, the lowest integer)."""
+    return field(default=default, metadata={"option": {"help": help or None, "flag": flag, "choices": choices,
+                                                        "at_least": at_least, "metavar": metavar}})
 
 
 @dataclass(frozen=True)

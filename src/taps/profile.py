@@ -25,9 +25,14 @@ from pathlib import Path
 import torch
 
 from taps import kv
+from taps.drafter.auto_tree import AutoTree, StepCosts
+from taps.drafter.checkpoint import load_head, weights_digest
+from taps.drafter.context import consume
+from taps.drafter.head import EagleHead
 from taps.jsonl import read_json, write_json_atomic
 from taps.stopwatch import now
 from taps.target import Target
+from taps.target_source import cache_root
 from taps.tree import DraftTree, additive_mask
 
 TREE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -86,8 +91,6 @@ def time_draft_level(head, target: Target, beams=BEAM_SIZES, prefix: int = 200, 
                      seed: int = 0) -> dict[int, float]:
     """Median ms of one draft level for k beams: the head's forward over k nodes (each attending
     to the context and itself), its LM head over k rows, log-softmax and top-k."""
-    from taps.drafter.context import consume
-
     gen = torch.Generator().manual_seed(seed)
     device = target.device
     features = torch.randn(prefix, target.hidden_size, generator=gen).to(device, target.dtype)  # [P, H]
@@ -112,8 +115,6 @@ def time_draft_level(head, target: Target, beams=BEAM_SIZES, prefix: int = 200, 
 
 def profile_path(target_name: str, dtype: str, threads: int, drafter_digest: str | None = None,
                  root: Path | None = None) -> Path:
-    from taps.target_source import cache_root
-
     key = json.dumps({"machine": machine(), "target": target_name, "dtype": dtype, "threads": threads,
                       "drafter": drafter_digest}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -146,13 +147,33 @@ def profile(target: Target, head=None, drafter_digest: str | None = None, measur
     return result
 
 
+def profile_report(target_spec: str, drafter: str | None = None, threads: int | None = None, repeats: int = 5,
+                   measure: bool = False, device: str = "auto", dtype: str = "auto") -> str:
+    """`taps profile`: this machine's profile (cached, or measured now) as Markdown tables."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    target = Target.load(target_spec, device=device, dtype=dtype)
+    head = load_head(drafter, target)[0] if drafter else None
+    result = profile(target, head, weights_digest(drafter) if drafter else None, measure=measure, repeats=repeats)
+    base = result["target_forward_ms"]["1"]
+    lines = [f"{result['target']} ({result['dtype']}, {result['threads']} thread(s), {result['machine']['cpu']}); "
+             f"profile: {result['path']}", "| tree tokens | target forward ms | x one token |",
+             "| ---: | ---: | ---: |"]
+    lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in result["target_forward_ms"].items()]
+    if "draft_level_ms" in result:
+        lines += ["", "| beams | draft level ms |", "| ---: | ---: |"]
+        lines += [f"| {k} | {ms:.2f} |" for k, ms in result["draft_level_ms"].items()]
+    return "\n".join(lines)
+
+
 def auto_tree_policy(target, heads: dict, tree):
     """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
     the cached profile of this machine, target, dtype and threads, with the first head's draft
     levels (measured now, once, if missing)."""
-    from taps.drafter.auto_tree import AutoTree, StepCosts
-    from taps.drafter.head import EagleHead
-
     head = next((h for h in heads.values() if isinstance(h, EagleHead)), None)
     if head is None:
         raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")

@@ -22,14 +22,25 @@ Unknown keys are errors naming the key, so a typo never silently falls back to a
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from taps.config import TreeConfig
-from taps.eval.runner import EvalSettings
-from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
+import yaml
 
-STAGES = ("target", "drafters", "eval", "report")
+from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
+from taps.eval import report
+from taps.eval.runner import EvalSettings, ResultsMismatchError, eval_benchmarks
+from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
+from taps.target_source import KNOWN_TARGETS, find_gguf, resolve_target
+from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, build_drafters
+
+STAGES = STUDY_STAGES
+# what changes when a new embedded default ships (target or drafter weights): `taps demo` in its
+# default directory moves such results aside; other mismatches (tree, settings, variants) are the
+# user's choices and keep the usual refusal
+NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
 
 # The paper's seven variants per backbone (SPEC §1), plus the baseline and this project's merges.
 PAPER_VARIANTS = {
@@ -112,8 +123,6 @@ def target_exists(study: "Study") -> bool:
     (taps.target_source) that loads without building anything."""
     if (study.target / "config.json").is_file():
         return True
-    from taps.target_source import find_gguf
-
     return find_gguf(str(study.target)) is not None  # a known name whose package is missing says how to install it
 
 
@@ -159,8 +168,6 @@ def expand_variants(templates: dict, backbones: list[str], lambdas: list[float],
 
 
 def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None = None) -> Study:
-    from taps.train.family import DrafterRecipe
-
     top = _check_keys(source, config, {"name", "out", "data_dir", "target", "drafters", "backbones", "lambdas",
                                        "variants", "eval"})
     for key in ("name", "out", "target", "drafters", "variants"):
@@ -207,8 +214,6 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
 
 
 def load_study(path: str | Path, data_dir: str | None = None) -> Study:
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"study config {path} does not exist")
@@ -257,34 +262,17 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
         if not target_exists(study):
             raise FileNotFoundError(f"{study.source}: target {study.target} does not exist: name a model directory, "
                                     "a .gguf file or a known name")
-        from taps.target_source import resolve_target
-
         resolve_target(str(study.target))  # a GGUF target is converted into the cache once, here
     if "drafters" in stages and study.drafter_recipe is not None:
-        from taps.train.family import DrafterRecipe, build_drafters
-
         recipe = DrafterRecipe(data_dir=study.data_dir, **{k: tuple(v) if isinstance(v, list) else v
                                                          for k, v in study.drafter_recipe.items()})
         build_drafters(recipe, study.target, study.drafters, study.work / "drafters", jobs=study.drafter_jobs)
     if "eval" in stages:
-        from taps.eval.benchmarks import load_benchmark
-        from taps.eval.runner import load_target_for_eval, run_eval
-
-        questions = [q for name in study.benches
-                     for q in load_benchmark(name, study.data_dir, limit=study.limit, categories=study.categories)]
-        if study.eval_jobs > 1:
-            from taps.eval.runner import run_eval_jobs
-
-            run_eval_jobs(str(study.target), study.device, study.dtype, study.variants, questions, study.results,
-                          study.settings, jobs=study.eval_jobs, progress=progress)
-        else:
-            target = load_target_for_eval(str(study.target), study.device, study.dtype)
-            run_eval(target, str(study.target), study.variants, questions, study.results, study.settings,
-                     progress=progress)
+        eval_benchmarks(str(study.target), study.variants, study.benches, study.results, study.settings,
+                        study.data_dir, study.limit, study.categories, study.eval_jobs, study.device, study.dtype,
+                        progress)
     if "report" in stages:
-        from taps.eval.report import write_report
-
-        write_report(study.results, study.report)
+        report.write_report(study.results, study.report)
     return study.report
 
 
@@ -304,10 +292,6 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
     on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
     (default: the paper's 60/5/10)."""
-    from taps.train.family import BACKBONES, DOMAINS
-
-    from taps.target_source import KNOWN_TARGETS
-
     models = _embedded(models)
     target, drafters = models / "target", models / "drafters"
     if not (target / "config.json").is_file():
@@ -331,3 +315,49 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
                        "limit": per_bench, "max_new_tokens": max_new_tokens, "dtype": dtype, "jobs": jobs,
                        **({"tree": dict(tree)} if tree else {})}}
     return study_from_dict(config, "taps demo", data_dir)
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    """`--stages`: a comma-separated subset of STAGES."""
+    stages = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise ValueError(f"--stages {text!r}: unknown stage(s) {', '.join(unknown) or '(none given)'}; "
+                         f"expected a comma-separated subset of {', '.join(STAGES)}")
+    return stages
+
+
+def reproduce(config: str | Path, stages: str = ",".join(STAGES), data_dir: str | None = None,
+              dry_run: bool = False, progress: bool = True, echo: Callable[[str], None] = print) -> None:
+    """`taps reproduce`: the plan of a study config (echoed first), then its stages."""
+    chosen = parse_stages(stages)
+    study = load_study(config, data_dir)
+    echo("\n".join(plan(study, chosen)))
+    if not dry_run:
+        echo(f"taps reproduce: report in {run_study(study, chosen, progress=progress) / 'report.md'}")
+
+
+def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | None = None, per_bench: int = 2,
+             max_new_tokens: int = 96, tree: TreeConfig = TreeConfig(), auto_tree: bool = False, dtype: str = "auto",
+             jobs: int = 1, progress: bool = True, echo: Callable[[str], None] = print) -> None:
+    """`taps demo`: demo_study, evaluated and reported, then the terminal summary. In the default
+    directory, results of an earlier embedded default (other target or drafter weights) are moved
+    aside, kept, and the demo starts afresh: `make demo` after a new default shipped still just works."""
+    shape = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k,
+             **({"mode": "auto"} if auto_tree else {})}
+    study = demo_study(models, out, data_dir, per_bench, max_new_tokens, tree=shape, dtype=dtype, jobs=jobs)
+    echo(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({per_bench} questions each, "
+         f"temperature 0, tree {'auto' if auto_tree else 'fixed'} {tree.total_tokens}/{tree.depth}/{tree.top_k}) "
+         f"on {study.target}")
+    try:
+        report_dir = run_study(study, ("eval", "report"), progress=progress)
+    except ResultsMismatchError as e:
+        if str(out) != DEMO_OUT or e.key not in NEW_DEFAULT_KEYS:
+            raise
+        aside = Path(f"{out}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(out, aside)
+        echo(f"taps demo: {out} holds results of another embedded default ({e.key} differs); moved them to {aside}, "
+             "starting afresh")
+        report_dir = run_study(study, ("eval", "report"), progress=progress)
+    echo(report.terminal_summary(study.results))
+    echo(f"\nfull report: {report_dir / 'report.md'}")

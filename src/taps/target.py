@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from taps import kv
+from taps.config import DEVICE_PATTERN
+from taps.identity import tensors_identity, weights_identity
+from taps.target_source import resolve_target, target_name
 from taps.tree import DraftTree, additive_mask
 
 # End-of-turn markers of common chat templates; used as stop tokens when the tokenizer has them.
@@ -35,9 +40,6 @@ class TargetOut:
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import re
-
-    from taps.config import DEVICE_PATTERN
 
     if not re.fullmatch(DEVICE_PATTERN, device):
         raise ValueError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
@@ -108,10 +110,6 @@ class Target:
         """`path`: a Hugging Face model directory, a .gguf file (or a directory holding one), or a
         short name such as `smollm2-135m-instruct` (taps.target_source); GGUF weights load from
         their cached safetensors conversion."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from taps.target_source import resolve_target, target_name
-
         name = target_name(path)
         path = resolve_target(path)
         if not path.is_dir():
@@ -123,7 +121,6 @@ class Target:
                 f"{path} has no *.safetensors weights; TAPS loads safetensors only (no pickle). "
                 "Convert the checkpoint with `save_pretrained(..., safe_serialization=True)`."
             )
-        from taps.identity import weights_identity
 
         weights = weights_identity(path)  # also refuses a truncated or corrupt weights file, naming it
         dev = resolve_device(device)
@@ -182,8 +179,6 @@ class Target:
         digest of its config and weights (not its tokenizer: a base model and its instruct version
         share one), and `target_dtype`, the dtype it runs in."""
         if self._weights is None:
-            from taps.identity import tensors_identity
-
             self._weights = tensors_identity(self.model)
         return {"target_weights": self._weights, "target_dtype": str(self.dtype).removeprefix("torch.")}
 

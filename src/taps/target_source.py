@@ -28,6 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
 from taps.jsonl import read_json, write_json_atomic
 
 GGUF_MAGIC = b"GGUF"
@@ -154,9 +157,6 @@ def load_gguf(path: Path, dtype=None):
     Dequantised in float32 (the exact values of the blocks), then cast: transformers' packed-GGUF
     path would keep the blocks and compute through them, which is neither the dense model a
     speculative decoder verifies with nor what `convert_gguf` saves."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     check_gguf(path)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  quantization_config=GgufConfig(dequantize=True))
@@ -187,8 +187,6 @@ def _drop_quantization(model) -> None:
 def convert_gguf(path: Path, out: Path, dtype: str = "float32", source_name: str | None = None) -> Path:
     """Write a plain safetensors model directory (config, weights, tokenizer with its chat
     template, generation config) from a GGUF file; atomically: `out` appears whole or not at all."""
-    import torch
-
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise TargetSourceError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
@@ -216,6 +214,15 @@ def convert_gguf(path: Path, out: Path, dtype: str = "float32", source_name: str
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def convert_target(source: str, out: str | Path, dtype: str = "float32") -> tuple[Path, Path]:
+    """`taps target convert`: (the directory written, the GGUF file it came from)."""
+    gguf = find_gguf(source)
+    if gguf is None:
+        raise ValueError(f"{source}: not a GGUF target (expected a .gguf file, a directory holding exactly one, "
+                         "or a known name); a Hugging Face directory needs no conversion")
+    return convert_gguf(gguf, Path(out), dtype, target_name(source)), gguf
 
 
 def _sha256(path: Path) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -27,9 +29,6 @@ SAMPLE_CORPUS = [
 
 def tiny_tokenizer(vocab_size: int = 320):
     """A byte-level BPE tokenizer with ChatML special tokens and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,8 +44,6 @@ def tiny_tokenizer(vocab_size: int = 320):
 
 def tiny_config(arch: str = "llama", vocab_size: int = 384, hidden_size: int = 64, layers: int = 2,
                 heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_positions: int = 512, **extra):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {', '.join(classes)}")
@@ -59,8 +56,6 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, hidden_size: int = 6
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **config_kwargs):
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config(arch, **config_kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

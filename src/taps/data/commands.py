@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import device_arg, positive_int
+from taps.cli_args import add_settings, device_arg, settings_from
+from taps.data.mix import mix_to_file
+from taps.data.regenerate import RegenerateSettings, regenerate_file
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
 
 
@@ -28,45 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     regen.add_argument("--out", required=True, help="output JSONL; a rerun skips the records already in it")
     regen.add_argument("--drafter", help="optional drafter directory: regenerate with lossless speculative decoding")
-    regen.add_argument("--max-new-tokens", type=positive_int, default=512)
-    regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    regen.add_argument("--top-p", type=float, default=1.0)
-    regen.add_argument("--seed", type=int, default=0)
-    regen.add_argument("--batch-size", type=positive_int, default=1,
-                       help="answer B records at a time with transformers' generate (left padding; no --drafter); "
-                            "an order of magnitude faster on a CPU at B = 32-64")
-    regen.add_argument("--max-turns", type=positive_int, help="keep the first K user turns of each conversation")
-    regen.add_argument("--max-prompt-tokens", type=positive_int,
-                       help="skip records whose first prompt (chat template included) is longer; they are counted")
+    add_settings(regen, RegenerateSettings)
     regen.add_argument("--device", type=device_arg, default="auto")
     regen.add_argument("--dtype", default="auto")
     regen.set_defaults(func=_regenerate)
 
 
 def _mix(args: argparse.Namespace) -> int:
-    from taps.data.mix import mix_sources
-    from taps.jsonl import write_jsonl
-
-    records = mix_sources(args.source, args.seed, data_dir=args.data_dir, english=args.english, on_report=print)
-    out = write_jsonl(records, args.out)
-    print(f"wrote {len(records):,} records to {out}")
+    print(mix_to_file(args.source, args.seed, args.out, data_dir=args.data_dir, english=args.english, on_report=print))
     return 0
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    from taps.data.regenerate import RegenerateSettings, regenerate
-    from taps.target import Target
-
-    target = Target.load(args.target, device=args.device, dtype=args.dtype)
-    proposer = None
-    if args.drafter:
-        from taps.drafter.checkpoint import load_head
-        from taps.propose.single import SingleProposer
-
-        proposer = SingleProposer(load_head(args.drafter, target)[0])
-    settings = RegenerateSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-                                  max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens)
-    written = regenerate(target, args.data, args.out, settings, proposer)
-    print(f"regenerated {written:,} records into {args.out}")
+    print(regenerate_file(args.target, args.data, args.out, settings_from(RegenerateSettings, args), args.drafter,
+                          args.device, args.dtype))
     return 0

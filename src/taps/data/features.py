@@ -24,14 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from taps.config import setting
 from taps.data.chat import encode_conversation
 from taps.identity import MismatchError, check_same
 from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
+from taps.target import Target
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -66,10 +68,11 @@ def file_digest(path: Path) -> str:
 
 @dataclass
 class FeatureSettings:
-    max_len: int = 2048
-    dtype: str = "bf16"
-    records_per_shard: int = 512
-    tokens_per_batch: int = 8192  # padded tokens per target forward
+    # `taps features`'s options (cli_args.add_settings)
+    max_len: int = setting(2048, at_least=1)
+    dtype: str = setting("bf16", "stored feature dtype", choices=("bf16", "fp16", "fp32"))
+    records_per_shard: int = setting(512, at_least=1)
+    tokens_per_batch: int = setting(8192, "padded tokens per target forward", at_least=1)
 
     def __post_init__(self) -> None:
         for name in ("max_len", "records_per_shard", "tokens_per_batch"):
@@ -113,6 +116,14 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest.get("shards"), list):
         raise FeaturesError(f"{path}: not a features manifest (expected an object with a 'shards' list)")
     return manifest
+
+
+def features_of(target_spec: str, data: str | Path, out: str | Path, settings: FeatureSettings = FeatureSettings(),
+                device: str = "auto", target_dtype: str = "auto") -> str:
+    """`taps features`: extract_features with a target loaded from `target_spec`; returns a summary."""
+    manifest = extract_features(Target.load(target_spec, device=device, dtype=target_dtype), data, out, settings)
+    return (f"features: {manifest['records_done']} records, {manifest['tokens']:,} tokens "
+            f"({manifest['assistant_tokens']:,} assistant), {manifest['truncated_records']} truncated, in {out}")
 
 
 def extract_features(target, data: str | Path, out: str | Path, settings: FeatureSettings = FeatureSettings(),
@@ -226,7 +237,6 @@ class FeatureShards:
                                 f"{target_weights!r}; these are another model's features (same tokenizer)")
         self._index = [(s["name"], j) for s in self.manifest["shards"] for j in range(s["records"])]
         self._offsets = {}
-        from safetensors import SafetensorError
 
         for shard in self.manifest["shards"]:
             try:

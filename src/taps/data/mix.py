@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
+from taps.jsonl import write_jsonl
 
 _COUNT = re.compile(r"[0-9]+")
 
@@ -65,6 +66,13 @@ def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None,
         mixed.extend(_draw(records, count, seed, spec, report))
     random.Random(seed).shuffle(mixed)
     return mixed
+
+
+def mix_to_file(specs: list[str], seed: int, out: str | Path, data_dir: str | Path | None = None,
+                english: bool = False, on_report: Callable[[SourceReport], None] | None = None) -> str:
+    """`taps data mix`: mix_sources written to `out` atomically; returns what was written."""
+    records = mix_sources(specs, seed, data_dir=data_dir, english=english, on_report=on_report)
+    return f"wrote {len(records):,} records to {write_jsonl(records, out)}"
 
 
 def _english(records: list[Record], report: SourceReport) -> list[Record]:

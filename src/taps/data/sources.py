@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from taps.jsonl import LINE_WORD, json_lines
+from taps.jsonl import LINE_WORD, decode_utf8, json_lines
 
 Record = dict[str, Any]
 Turn = tuple[str, str]  # (role, content)
@@ -90,8 +90,6 @@ class SourceReport:
 def _read_objects(path: Path) -> tuple[list[tuple[int, str, Any]], bool]:
     """(number, location, object) for every record of a JSON array or JSONL file, and whether the
     file was truncated. number is the line (JSONL) or array index (JSON) used in ids."""
-    from taps.jsonl import decode_utf8
-
     text = decode_utf8(path.read_bytes(), path)
     start = _WS.match(text).end()
     if text.startswith("[", start):

@@ -149,6 +149,30 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     return write_drafter(out_dir, dict(configs[0]), state, info, draft_ids)
 
 
+def average_command(drafters: Sequence[tuple[str, str]], out: str | Path, weights: Sequence[float] | None = None,
+                    sweep: bool = False, lambdas: Sequence[float] | None = None) -> str:
+    """`taps average`: the weighted average of named drafters (NAME, DIR) written to `out`, or with
+    `sweep` lambda*A + (1-lambda)*B for two drafters under `out`; returns what was written."""
+    names = [n for n, _ in drafters]
+    paths = [d for _, d in drafters]
+    if len(paths) < 2:
+        raise ValueError("taps average needs at least two --drafter")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
+    if sweep:
+        if len(paths) != 2:
+            raise ValueError(f"--sweep interpolates exactly two drafters, got {len(paths)}")
+        if weights:
+            raise ValueError("--sweep takes --lambdas, not --weight")
+        outs = sweep_checkpoints(paths[0], paths[1], out, lambdas or DEFAULT_LAMBDAS, names)
+        return f"wrote {len(outs)} averaged drafters lambda*{names[0]} + (1-lambda)*{names[1]} under {out}"
+    if lambdas is not None:
+        raise ValueError("--lambdas needs --sweep")
+    written = average_checkpoints(paths, out, weights, names)
+    weights = weights or [1.0 / len(paths)] * len(paths)
+    return f"wrote {' + '.join(f'{w:g}*{n}' for w, n in zip(weights, names))} to {written}"
+
+
 def sweep_dir_name(lam: float) -> str:
     return f"lambda-{lam:g}"
 

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from taps.drafter.head import EagleHead, head_config_for
 from taps.jsonl import read_json
+from taps.target import tokenizer_fingerprint
+from taps.target_source import resolve_target, target_name
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -259,11 +261,6 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
 def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False) -> Path:
     """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
     and tokenizer only (the target's weights are not loaded)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from taps.target import tokenizer_fingerprint
-    from taps.target_source import resolve_target, target_name
-
     name = target_name(target_dir)
     target_dir = resolve_target(target_dir)
     if not (target_dir / CONFIG_NAME).is_file():

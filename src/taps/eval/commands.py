@@ -1,4 +1,5 @@
-"""`taps eval` (and the study commands): argument parsing only; the work is in eval/*.py.
+"""`taps eval`, `taps report` and the study commands (`taps reproduce`, `taps demo`): argument
+parsing only; the work is in eval/runner.py, eval/report.py and study.py.
 
     taps eval --target DIR --variant NAME=SPEC ... --bench mt_bench,gsm8k,math500,svamp \\
               --temperature 0,1 --out DIR [--limit N --max-new-tokens 512 --seed S]
@@ -8,25 +9,27 @@ from __future__ import annotations
 
 import argparse
 
+from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
+                           positive_int, tree_shape)
+from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
+from taps.eval.benchmarks import parse_bench_list
+from taps.eval.report import write_report
+from taps.eval.runner import EvalSettings, eval_benchmarks
 from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
-from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int,
-                           tree_shape)
-
-
-def _temperatures(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--temperature expects comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--temperature expects numbers >= 0, got {text!r}")
-    return values
+from taps.study import reproduce, run_demo
 
 
 def _variant(text: str):
     try:
         return parse_variant(text)
     except VariantSpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _benches(text: str) -> list[str]:
+    try:
+        return parse_bench_list(text)
+    except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -46,9 +49,9 @@ def register(sub) -> None:
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--variant", action="append", required=True, type=_variant, metavar="NAME=SPEC",
                    help=f"repeat; SPEC = {SPEC_HELP}")
-    p.add_argument("--bench", default="mt_bench,gsm8k,math500,svamp",
+    p.add_argument("--bench", type=_benches, default="mt_bench,gsm8k,math500,svamp",
                    help="comma-separated benchmark names or paths to FastChat question.jsonl files ([name=]PATH)")
-    p.add_argument("--temperature", type=_temperatures, default=(0.0,), help="comma-separated, e.g. 0,1")
+    p.add_argument("--temperature", type=number_list, default="0", help="comma-separated, e.g. 0,1")
     p.add_argument("--out", required=True, help="results directory (records.jsonl, run.json); reruns resume")
     p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
     p.add_argument("--limit", type=positive_int, help="first N questions of each benchmark")
@@ -60,33 +63,11 @@ def register(sub) -> None:
     p.set_defaults(func=_eval)
 
 
-def settings_from(args):
-    from taps.config import TreeConfig
-    from taps.eval.runner import EvalSettings
-
-    return EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                        tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
-
-
 def _eval(args) -> int:
-    from taps.eval.benchmarks import load_benchmark, parse_bench_list
-    from taps.eval.runner import load_target_for_eval, run_eval
-
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    questions = [q for name in parse_bench_list(args.bench)
-                 for q in load_benchmark(name, args.data_dir, limit=args.limit, categories=args.category)]
-    if args.jobs > 1:
-        from taps.eval.runner import run_eval_jobs
-
-        total = run_eval_jobs(args.target, args.device, args.dtype, args.variant, questions, args.out,
-                              settings_from(args), jobs=args.jobs, progress=not args.no_progress)
-        print(f"taps eval: {total} conversations in {args.out} ({args.jobs} worker processes)")
-        return 0
-    target = load_target_for_eval(args.target, args.device, args.dtype)
-    written = run_eval(target, args.target, args.variant, questions, args.out, settings_from(args),
-                       progress=not args.no_progress)
-    print(f"taps eval: {written} conversations decoded in this run; results in {args.out}")
+    settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
+    print(eval_benchmarks(args.target, args.variant, args.bench, args.out, settings, args.data_dir, args.limit,
+                          args.category, args.jobs, args.device, args.dtype, progress=not args.no_progress))
     return 0
 
 
@@ -97,7 +78,7 @@ def register_study(sub) -> None:
     r.add_argument("config", help="study config, e.g. configs/smollm2.yaml")
     r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
                                       "else $TAPS_DATA_DIR)")
-    r.add_argument("--stages", default=",".join(_stages()), help="comma-separated subset of the stages, in order")
+    r.add_argument("--stages", default=",".join(STUDY_STAGES), help="comma-separated subset of the stages, in order")
     r.add_argument("--dry-run", action="store_true", help="print what would run (and what is skipped); run nothing")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_reproduce)
@@ -121,63 +102,24 @@ def register_study(sub) -> None:
     d.set_defaults(func=_demo)
 
 
-DEMO_OUT = "runs/demo-study"
-# what changes when a new embedded default ships (target or drafter weights); other mismatches
-# (tree, settings, variants) are the user's choices and keep the usual refusal
-NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
-
-
-def _stages() -> tuple[str, ...]:
-    from taps.study import STAGES
-
-    return STAGES
-
-
 def _reproduce(args) -> int:
-    from taps.study import STAGES, load_study, plan, run_study
-
-    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown or not stages:
-        raise ValueError(f"--stages {args.stages!r}: unknown stage(s) {', '.join(unknown) or '(none given)'}; "
-                         f"expected a comma-separated subset of {', '.join(STAGES)}")
-    study = load_study(args.config, args.data_dir)
-    print("\n".join(plan(study, stages)))
-    if args.dry_run:
-        return 0
-    report = run_study(study, stages, progress=not args.no_progress)
-    print(f"taps reproduce: report in {report / 'report.md'}")
+    reproduce(args.config, args.stages, args.data_dir, args.dry_run, progress=not args.no_progress)
     return 0
 
 
 def _demo(args) -> int:
-    import os
-    import time
-    from pathlib import Path
+    run_demo(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, TreeConfig(*tree_shape(args)),
+             args.tree == "auto", args.dtype, args.jobs, progress=not args.no_progress)
+    return 0
 
-    from taps.eval.report import terminal_summary
-    from taps.eval.runner import ResultsMismatchError
-    from taps.study import demo_study, run_study
 
-    total_tokens, depth, top_k = tree_shape(args)
-    tree = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k,
-            **({"mode": "auto"} if args.tree == "auto" else {})}
-    study = demo_study(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, tree=tree,
-                       dtype=args.dtype, jobs=args.jobs)
-    print(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({args.per_bench} questions "
-          f"each, temperature 0, tree {args.tree} {total_tokens}/{depth}/{top_k}) on {study.target}")
-    try:
-        report = run_study(study, ("eval", "report"), progress=not args.no_progress)
-    except ResultsMismatchError as e:
-        # `make demo` after a new embedded default shipped: one command should still just work, and
-        # the earlier results are kept, not deleted or mixed in
-        if args.out != DEMO_OUT or e.key not in NEW_DEFAULT_KEYS:
-            raise
-        aside = Path(f"{args.out}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(args.out, aside)
-        print(f"taps demo: {args.out} holds results of another embedded default ({e.key} differs); "
-              f"moved them to {aside}, starting afresh")
-        report = run_study(study, ("eval", "report"), progress=not args.no_progress)
-    print(terminal_summary(study.results))
-    print(f"\nfull report: {report / 'report.md'}")
+def register_report(sub) -> None:
+    p = sub.add_parser("report", help="tables (md, csv, tex) and figures from a `taps eval` results directory")
+    p.add_argument("results_dir", metavar="RESULTS_DIR", help="a `taps eval --out` directory (run.json, records)")
+    p.add_argument("--out", required=True, help="report directory (report.md, tables, figures)")
+    p.set_defaults(func=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    print(write_report(args.results_dir, args.out))
     return 0

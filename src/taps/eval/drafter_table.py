@@ -8,17 +8,23 @@ or settings changed, so a table can grow while heads are still training."""
 
 from __future__ import annotations
 
+import os
+import queue
 import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+from tqdm.auto import tqdm
+
 from taps import workers
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.data.sources import DATA_DIR_ENV
 from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, weights_digest
+from taps.eval.benchmarks import load_benchmark
 from taps.jsonl import read_json, write_json_atomic
 from taps.propose.single import SingleProposer
-from taps.eval.benchmarks import load_benchmark
 from taps.target import Target
 
 BENCHES = ("gsm8k", "mt_bench")
@@ -35,8 +41,6 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
                      on_drafter: Callable[[str, dict], None] | None = None, progress: bool = False) -> dict:
     """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}; drafters in
     `done` are taken from it unmeasured, `on_drafter(name, table)` runs after each measured one."""
-    from tqdm.auto import tqdm
-
     prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
                for b, qs in bench_prompts(data_dir, n).items()}
     stops = target.stop_token_ids()
@@ -84,6 +88,23 @@ def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, 
             if name in digests and old.get("weights", {}).get(name) == digests[name]}
 
 
+def table_of_directory(target_spec: str, drafters_dir: str | Path, out: str | Path, data_dir: str | None = None,
+                       n: int = 20, temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256,
+                       jobs: int = 1, dtype: str = "float32") -> str:
+    """`taps drafter table`: every drafter of a directory (<name>/model.safetensors), measured or
+    reused (update_table), as a Markdown table. data_dir None: $TAPS_DATA_DIR, else the hub."""
+    root = Path(drafters_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--drafters {root}: no such directory")
+    drafters = {p.name: p for p in sorted(root.iterdir()) if (p / "model.safetensors").is_file()}
+    if not drafters:
+        raise FileNotFoundError(f"{root}: no drafter directories (<name>/model.safetensors)")
+    data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
+    table = update_table(Target.load(target_spec, device="cpu", dtype=dtype), drafters, data_dir, out, n,
+                         temperatures, max_new_tokens, jobs=jobs, target_dir=target_spec)
+    return to_markdown(table, temperatures)
+
+
 def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, out: str | Path, n: int = 20,
                  temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
                  log: Callable[[str], None] = print, progress: bool = True, jobs: int = 1,
@@ -124,8 +145,6 @@ def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path
 def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_dir, args: tuple, order: list[str],
                   taken, results, threads: int) -> None:
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
-    import torch
-
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device="cpu", dtype=dtype)
     n, temperatures, max_new_tokens, seed = args
@@ -143,8 +162,6 @@ def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_d
 def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, data_dir, args: tuple,
                         jobs: int, save: Callable) -> None:
     """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
-    import queue
-
     taken, results = workers.counter(), workers.SPAWN.Queue()
     jobs = min(jobs, len(todo))
     threads = workers.cores_each(jobs)

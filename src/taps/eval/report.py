@@ -8,7 +8,6 @@ skipped and why, so a gap is never silent.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import math
@@ -541,15 +540,3 @@ def terminal_summary(results_dir: str | Path) -> str:
         parts += [f"note: {n}\n" for n in table.notes]
     return "\n".join(parts)
 
-
-# ---- CLI -----------------------------------------------------------------------------------------
-def register(sub) -> None:
-    p = sub.add_parser("report", help="tables (md, csv, tex) and figures from a `taps eval` results directory")
-    p.add_argument("results_dir", metavar="RESULTS_DIR", help="a `taps eval --out` directory (run.json, records)")
-    p.add_argument("--out", required=True, help="report directory (report.md, tables, figures)")
-    p.set_defaults(func=_report)
-
-
-def _report(args: argparse.Namespace) -> int:
-    print(write_report(args.results_dir, args.out))
-    return 0

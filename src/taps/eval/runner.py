@@ -19,22 +19,28 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from contextlib import nullcontext
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import torch
+from tqdm import tqdm
 
 from taps import workers
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
-from taps.identity import MismatchError, check_same
-from taps.eval.benchmarks import Question
+from taps.drafter.head import EagleHead
+from taps.eval.benchmarks import Question, load_benchmark
 from taps.eval.records import conversation_key, read_records, record_key, turn_record
-from taps.propose.factory import HeadPool
-from taps.propose.spec import VariantSpec
+from taps.identity import MismatchError, check_same
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
+from taps.profile import auto_tree_policy
+from taps.propose.factory import HeadPool
+from taps.propose.spec import VariantSpec
+from taps.target import Target
 
 RECORDS = "records.jsonl"
 SHARDS = "shards"
@@ -221,10 +227,25 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     return len(units)
 
 
+def eval_benchmarks(target_spec: str, variants: Sequence[VariantSpec], benches: Sequence[str], out: str | Path,
+                    settings: EvalSettings = EvalSettings(), data_dir: str | None = None, limit: int | None = None,
+                    categories: Sequence[str] | None = None, jobs: int = 1, device: str = "auto", dtype: str = "auto",
+                    progress: bool = True) -> str:
+    """`taps eval` and a study's eval stage: the questions of the benchmarks (names or [name=]PATH,
+    eval.benchmarks.parse_bench_list) decoded by every variant into `out` (run_eval, or run_eval_jobs
+    with `jobs` worker processes); returns a summary."""
+    questions = [q for name in benches for q in load_benchmark(name, data_dir, limit=limit, categories=categories)]
+    if jobs > 1:
+        total = run_eval_jobs(target_spec, device, dtype, variants, questions, out, settings, jobs=jobs,
+                              progress=progress)
+        return f"taps eval: {total} conversations in {out} ({jobs} worker processes)"
+    written = run_eval(load_target_for_eval(target_spec, device, dtype), target_spec, variants, questions, out,
+                       settings, progress=progress)
+    return f"taps eval: {written} conversations decoded in this run; results in {out}"
+
+
 def load_target_for_eval(path: str, device: str, dtype: str):
     """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
-    from taps.target import Target
-
     if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
 
@@ -234,10 +255,6 @@ def load_target_for_eval(path: str, device: str, dtype: str):
 
 def _eval_worker(target_spec: str, device: str, dtype: str, variants, questions, out: str, settings: EvalSettings,
                  shard: Shard, progress: bool, threads: int) -> None:
-    import torch
-
-    from taps.target import Target
-
     torch.set_num_threads(threads)
     target = Target.load(target_spec, device=device, dtype=dtype)
     run_eval(target, target_spec, variants, questions, out, settings, shard=shard, progress=progress, merge=False)
@@ -273,10 +290,6 @@ def _run_eval_jobs(target_spec, device, dtype, variants, questions, out: Path, s
 def _auto_tree_policy(target, pool: HeadPool, variants: Sequence[VariantSpec], settings: EvalSettings):
     """The cost-aware tree policy factory of a run: costs from this machine's profile, with the
     first drafter's draft levels (heads of one target share their shape)."""
-    from taps.profile import auto_tree_policy
-
-    from taps.drafter.head import EagleHead
-
     heads = {path: pool.head(path) for path in dict.fromkeys(p for v in variants for _, p in v.drafters)}
     if not any(isinstance(h, EagleHead) for h in heads.values()):
         return None  # baseline and prompt lookup only: no head tree to size
@@ -311,7 +324,6 @@ class _Quiet:
 def _progress(total: int, show: bool, shard: Shard):
     if not show:
         return _Quiet()
-    from tqdm import tqdm
 
     desc = "eval" if shard.world == 1 else f"eval (rank 0 of {shard.world})"
     return tqdm(total=total, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)

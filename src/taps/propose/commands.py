@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from taps.cli_args import DefaultsHelpFormatter
+from taps.drafter.average import average_command
 from taps.propose.spec import (DEFAULTS, GRANULARITIES, MERGE_MODES, SIGNALS, SPEC_HELP, STRATEGIES, VariantSpec,
                                VariantSpecError, parse_member, parse_spec, spec_from_options)
 
@@ -99,25 +100,5 @@ def register(sub) -> None:
 
 
 def _average(args) -> int:
-    from taps.drafter.average import DEFAULT_LAMBDAS, average_checkpoints, sweep_checkpoints
-
-    names = [n for n, _ in args.drafter]
-    paths = [d for _, d in args.drafter]
-    if len(paths) < 2:
-        raise ValueError("taps average needs at least two --drafter")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
-    if args.sweep:
-        if len(paths) != 2:
-            raise ValueError(f"--sweep interpolates exactly two drafters, got {len(paths)}")
-        if args.weight:
-            raise ValueError("--sweep takes --lambdas, not --weight")
-        outs = sweep_checkpoints(paths[0], paths[1], args.out, args.lambdas or DEFAULT_LAMBDAS, names)
-        print(f"wrote {len(outs)} averaged drafters lambda*{names[0]} + (1-lambda)*{names[1]} under {args.out}")
-        return 0
-    if args.lambdas is not None:
-        raise ValueError("--lambdas needs --sweep")
-    out = average_checkpoints(paths, args.out, args.weight, names)
-    weights = args.weight or [1.0 / len(paths)] * len(paths)
-    print(f"wrote {' + '.join(f'{w:g}*{n}' for w, n in zip(weights, names))} to {out}")
+    print(average_command(args.drafter, args.out, args.weight, args.sweep, args.lambdas))
     return 0

@@ -16,6 +16,7 @@ features and drafters and resumes an interrupted training from its last checkpoi
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import time
@@ -23,8 +24,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from taps import workers
+from taps.data.features import FeatureSettings, extract_features, read_conversations
+from taps.data.mix import mix_sources
+from taps.data.regenerate import RegenerateSettings, regenerate
 from taps.jsonl import read_json, read_jsonl, write_json_atomic, write_jsonl
+from taps.target import Target
+from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
 DOMAINS = ("chat", "math", "mixed-small", "mixed-large")
 BACKBONES = ("eagle2", "hass")
@@ -71,8 +80,6 @@ SOURCES = {"chat": ("chat",), "math": ("math",), "mixed-small": ("chat", "math")
 
 
 def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat", "math")) -> dict[str, Path]:
-    from taps.data.mix import mix_sources
-
     files = {}
     for domain, source, english in (("chat", recipe.chat_source, True), ("math", recipe.math_source, False)):
         if domain not in sources:
@@ -89,9 +96,6 @@ def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat"
 
 def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path:
     """The domain's records answered by the target (resumable), in the order of `data`."""
-    from taps.data.features import read_conversations
-    from taps.data.regenerate import RegenerateSettings, regenerate
-
     ordered = data.with_name(f"{domain}.train.jsonl")
     if ordered.is_file():
         return ordered
@@ -141,8 +145,6 @@ def longest_first(heads: list[tuple[str, str]], costs: dict[tuple[str, str], flo
 @contextmanager
 def _locked(path: Path):
     """An exclusive lock on PATH, so worker processes update drafters.json one at a time."""
-    import fcntl
-
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -200,8 +202,6 @@ def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math"
     """Data and features of the source domains (skipped when done): their directories and token
     counts. Only the domains the pending heads draw from are prepared, so the math heads can train
     while the chat data is still being regenerated elsewhere."""
-    from taps.data.features import FeatureSettings, extract_features
-
     features, tokens = {}, {}
     for domain, path in _domain_data(recipe, work, target, sources).items():
         features[domain] = work / f"features-{domain}"
@@ -214,10 +214,8 @@ def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math"
 
 def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: Path, work: Path, backbone: str,
                 domain: str, progress: bool = True) -> None:
-    import torch
     from accelerate import Accelerator
 
-    from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
     name = f"{backbone}-{domain}"
     cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
@@ -259,10 +257,6 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: 
             index: int) -> None:
     """One process of `--jobs N`: takes the next untaken head of `order` (a shared counter) until
     none is left, with its share of the cores."""
-    import torch
-
-    from taps.target import Target
-
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}  # those the heads need exist
@@ -290,10 +284,6 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     """Train every (backbone, domain) head not yet in OUT; `jobs` > 1 trains them in that many
     processes at once, each taking the next head, longest first, when it finishes one (on a CPU one
     thread each beats two threads per head)."""
-    import torch
-
-    from taps.target import Target
-
     out, work = Path(out), Path(work)
     work.mkdir(parents=True, exist_ok=True)
     if recipe.threads and jobs == 1:
@@ -332,9 +322,6 @@ def ship_heads(out: str | Path, dest: str | Path, dtype: str = "bfloat16", names
     """Copy a family's finished heads for shipping: config.json, metrics.jsonl and the weights cast
     to `dtype` (integer and bool tensors, such as a draft vocabulary's d2t / t2d, kept as they are),
     plus drafters.json. No optimizer state, no embedding, no LM head. Each file is replaced atomically."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     out, dest = Path(out), Path(dest)
     cast = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if dtype not in cast:

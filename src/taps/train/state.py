@@ -10,6 +10,7 @@ No pickle anywhere: resuming never executes code from disk.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -91,8 +92,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Restore model, optimizer and RNG from a checkpoint directory; returns its state.json dict."""
-    import ast
-
     path = Path(path)
     state = read_json(path / "state.json", "a training checkpoint's state")
     model.load_state_dict(load_file(path / "model.safetensors"), strict=True)

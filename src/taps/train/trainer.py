@@ -22,17 +22,24 @@ resume under another draft vocabulary is refused.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from taps.config import setting
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.identity import MismatchError, check_same
 from taps.jsonl import append_jsonl, read_json, read_jsonl
+from taps.outlock import output_lock
+from taps.target import Target
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
                                pooled_loss)
@@ -53,25 +60,31 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainConfig:
-    backbone: str = "eagle2"
-    epochs: int = 20
-    lr: float = 3e-5
-    batch_size: int = 8  # per process; global batch = batch_size * processes * grad_accum
-    grad_accum: int = 1
-    warmup_steps: int = 2000  # linear warm-up, then linear decay to 0 (the EAGLE schedule)
+    # the fields declared with setting() are `taps train`'s options (cli_args.add_settings)
+    backbone: str = setting("eagle2", choices=BACKBONES)
+    epochs: int = setting(20, at_least=1)
+    lr: float = setting(3e-5)
+    batch_size: int = setting(8, "per process", at_least=1)  # global batch = batch_size * processes * grad_accum
+    grad_accum: int = setting(1, at_least=1)
+    warmup_steps: int = setting(2000)  # linear warm-up, then linear decay to 0 (the EAGLE schedule)
     max_grad_norm: float = 0.5
-    max_len: int | None = None  # cut samples (EAGLE 2048, HASS 1024 in the paper)
+    max_len: int | None = setting(None, "cut samples to this many tokens", at_least=1)  # EAGLE 2048, HASS 1024
     heldout_frac: float = 0.05
-    hass_topk: int = 10
-    hass_steps: int = 3
-    noise_width: float = 0.2
-    seed: int = 0
-    checkpoint_steps: int | None = None
+    hass_topk: int = setting(10, at_least=1)
+    hass_steps: int = setting(3, at_least=1)
+    noise_width: float = setting(0.2)
+    seed: int = setting(0)
+    checkpoint_steps: int | None = setting(None, "also checkpoint every N steps (always every epoch)", at_least=1)
     log_every: int = 10
-    mixed_precision: str = "no"  # accelerate: no | bf16 | fp16
-    compile_loss: bool = False  # torch.compile the vocabulary-sized loss terms (losses.Eagle2Config.compile)
-    training_data: str = ""
-    draft_vocab: int | None = None  # draft over the N most frequent training tokens (None: the full vocabulary)
+    mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))  # accelerate's
+    compile_loss: bool = setting(  # losses.Eagle2Config.compile
+        False, "torch.compile the vocabulary-sized loss terms into fused kernels (same loss; faster steps after a "
+               "one-off compile; needs a C++ compiler on the CPU)", flag="--compile")
+    training_data: str = setting("", "a label recorded in the drafter's config")
+    draft_vocab: int | None = setting(
+        None, "draft over the N most frequent target tokens of the training data (EAGLE-3's reduced vocabulary; the "
+              "target's stop tokens always included): [.., N] instead of [.., V] LM-head terms; default: the full "
+              "vocabulary", at_least=1, metavar="N")
     keep_epoch_heads: bool = False  # also write each epoch's head to OUT/epochs/epoch-NN (learning curves)
 
     def __post_init__(self) -> None:
@@ -108,9 +121,6 @@ class TrainConfig:
 
 def has_compiler() -> bool:
     """A C++ compiler torch.compile's CPU backend can use: $CXX, g++, clang++ or c++ on PATH."""
-    import os
-    import shutil
-
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
 
 
@@ -300,8 +310,6 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> Path:
-        from tqdm.auto import tqdm
-
         log = self.out / "metrics.jsonl" if self.acc.is_main_process else None
         if log:
             log.touch()
@@ -366,13 +374,13 @@ class Trainer:
 
 def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: TrainConfig, resume: bool = False,
                   device: str | None = None) -> Path:
-    """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head."""
+    """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head; the
+    main process prints where it is saved."""
     try:
         from accelerate import Accelerator
     except ImportError:
         raise TrainingError("training needs the `train` extra: pip install 'taps[train]'") from None
 
-    from taps.target import Target
 
     acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device == "cpu")
     # the frozen embedding / LM head run in the head's precision: fp32 unless mixed precision is on
@@ -386,13 +394,12 @@ def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: Tra
         trainer = Trainer(target, features, out_path, cfg, accelerator=acc)
         if resume and trainer.resume() and acc.is_main_process:
             print(f"resumed at step {trainer.step}/{trainer.total_steps}")
-        return trainer.fit()
+        saved = trainer.fit()
+    if acc.is_main_process:
+        print(f"drafter saved to {saved}")
+    return saved
 
 
 def writer_lock(out: Path, main_process: bool = True):
     """The run directory's one-writer lock (taps.outlock), taken by the main process only."""
-    from contextlib import nullcontext
-
-    from taps.outlock import output_lock
-
     return output_lock(out, "training") if main_process else nullcontext()

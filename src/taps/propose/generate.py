@@ -1,0 +1,71 @@
+"""`taps generate` as one library call: a prompt decoded by the composition a VariantSpec names
+(the baseline: plain decoding), on a target given as a directory, a GGUF file or a known name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.decode import DecodeResult, chat_ids, generate
+from taps.profile import auto_tree_policy
+from taps.propose.factory import HeadPool
+from taps.propose.spec import VariantSpec
+from taps.target import Target
+
+
+@dataclass
+class Generated:
+    text: str  # the new tokens, stop tokens left out
+    result: DecodeResult
+
+    def as_json(self) -> dict:
+        """What `taps generate --json` prints."""
+        r = self.result
+        return {
+            "text": self.text,
+            "token_ids": r.tokens,
+            "new_tokens": len(r.tokens),
+            "prompt_tokens": r.prompt_tokens,
+            "steps": len(r.steps),
+            "verifier_calls": r.verifier_calls,
+            "acceptance_length": r.acceptance_length,
+            "accepted_per_step": [s.accepted for s in r.steps],
+            "drafter_per_step": [s.source for s in r.steps],
+            "step_info": [s.info for s in r.steps] if any(s.info for s in r.steps) else None,
+            "tokens_per_second": r.tokens_per_second,
+            "stop_reason": r.stop_reason,
+            "time_split_s": r.time_split(),
+            "total_s": r.total_s,
+        }
+
+    def summary(self) -> str:
+        r = self.result
+        return (f"[{len(r.tokens)} tokens, {r.verifier_calls} verifier calls, acceptance length "
+                f"{r.acceptance_length:.2f}, {r.tokens_per_second:.1f} tokens/s]")
+
+
+def generate_prompt(target_spec: str, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
+                    tree: TreeConfig | None = None, auto_tree: bool = False, max_new_tokens: int = 128,
+                    sampling: SamplingConfig = SamplingConfig(), seed: int = 0, device: str = "auto",
+                    dtype: str = "auto", attn: str = "sdpa", trust_remote_code: bool = False) -> Generated:
+    """Decode one prompt: token ids as they are, or a user message through the chat template
+    (`raw`: tokenized as plain text). `tree`: the tree shape (with `auto_tree`, its caps)."""
+    target = Target.load(target_spec, device=device, dtype=dtype, attn_implementation=attn,
+                         trust_remote_code=trust_remote_code)
+    tok = target.tokenizer
+    if not isinstance(prompt, str):
+        ids = list(prompt)
+    elif tok is None:
+        raise ValueError(f"{target_spec} has no tokenizer; use --prompt-ids")
+    elif raw:
+        ids = tok(prompt)["input_ids"]
+    else:
+        ids = chat_ids(tok, [{"role": "user", "content": prompt}])
+    pool = HeadPool(target, attn)
+    policy = auto_tree_policy(target, pool.heads(spec), tree) if auto_tree and spec.drafters else None
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=target.stop_token_ids(),
+                       seed=seed)
+    result = generate(target, pool.proposer(spec, tree or TreeConfig(), policy), ids, cfg)
+    stop = set(cfg.stop_token_ids)
+    text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""
+    return Generated(text, result)
