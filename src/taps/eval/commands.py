@@ -8,6 +8,7 @@ parsing only; the work is in eval/runner.py, eval/report.py and study.py.
 from __future__ import annotations
 
 import argparse
+import os
 
 from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
                            positive_int, tree_shape)
@@ -97,9 +98,16 @@ def register_study(sub) -> None:
     add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPUs and AMX CPUs, else fp32)")
-    d.add_argument("--jobs", type=positive_int, default=1, help="worker processes (on a CPU: one per core decodes fastest)")
+    d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
+                   help="worker processes, one thread each (default: one per usable core, at most 4: on a CPU that "
+                        "decodes fastest)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+
+
+def demo_jobs() -> int:
+    """One worker per core this process may use, at most 4 (the demo has 8 questions per variant)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def _reproduce(args) -> int:
