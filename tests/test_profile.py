@@ -8,6 +8,7 @@ import json
 import pytest
 
 from taps.cli import main
+from taps.config import TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.profile import profile, time_target
 from taps.target import Target
@@ -43,3 +44,23 @@ def test_cli_profile_and_bad_options(target_dir, tmp_path, monkeypatch, capsys):
     assert "| tree tokens | target forward ms |" in out and str(tmp_path) in out
     assert main(["profile", "--target", str(target_dir), "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_profile_of_a_drafter_is_the_one_tree_auto_reads(target, target_dir, tmp_path, monkeypatch, capsys):
+    """`taps profile --drafter D --measure` writes the profile --tree auto uses for every head of
+    D's shape: before, the CLI keyed it by D's weights and --tree auto never saw it."""
+    from taps.drafter.checkpoint import DrafterInfo, save_head
+    from taps.profile import auto_tree_policy, head_shape_key, profile_path
+
+    monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
+    head = init_head(target.config, seed=0)
+    save_head(head, tmp_path / "d", DrafterInfo(backbone="eagle2", training_data="unit",
+                                                tokenizer_fingerprint=target.fingerprint()))
+    assert main(["profile", "--target", str(target_dir), "--drafter", str(tmp_path / "d"), "--device", "cpu",
+                 "--dtype", "float32", "--repeats", "1", "--threads", "1", "--measure"]) == 0
+    written = capsys.readouterr().out.split("profile: ")[1].split()[0]
+    bound = head.bind(target.embed_tokens, target.lm_head)
+    assert written == str(profile_path(target.name, "float32", 1, head_shape_key(bound), tmp_path / "profiles"))
+    before = json.loads(open(written).read())["measured_at"]
+    auto_tree_policy(target, {"d": bound}, TreeConfig(16, 4, 4))  # reads it, measures nothing
+    assert json.loads(open(written).read())["measured_at"] == before

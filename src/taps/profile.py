@@ -26,7 +26,7 @@ import torch
 
 from taps import kv
 from taps.drafter.auto_tree import AutoTree, StepCosts
-from taps.drafter.checkpoint import load_head, weights_digest
+from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
 from taps.drafter.head import EagleHead
 from taps.jsonl import read_json, write_json_atomic
@@ -158,7 +158,10 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
         torch.set_num_threads(threads)
     target = Target.load(target_spec, device=device, dtype=dtype)
     head = load_head(drafter, target)[0] if drafter else None
-    result = profile(target, head, weights_digest(drafter) if drafter else None, measure=measure, repeats=repeats)
+    # keyed as --tree auto looks it up (auto_tree_policy): a draft level's cost depends on the head's
+    # shape and draft vocabulary, not its weights
+    result = profile(target, head, head_shape_key(head) if head is not None else None, measure=measure,
+                     repeats=repeats)
     base = result["target_forward_ms"]["1"]
     lines = [f"{result['target']} ({result['dtype']}, {result['threads']} thread(s), {result['machine']['cpu']}); "
              f"profile: {result['path']}", "| tree tokens | target forward ms | x one token |",
