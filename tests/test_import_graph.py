@@ -8,7 +8,8 @@ Layers, lowest first (docs/architecture.md):
   data     data/*: readers, mixtures, chat encoding, regeneration, features
   train    train/*: losses, trainer, head families
   eval     eval/*: benchmarks, runner, records, metrics, report, drafter table
-  study    study.py: the pipeline (target, drafters, eval, report); the only module that knows them all
+  study    study.py: the pipeline (target, drafters, eval, report); the only module that knows them all;
+           beside it serve/*: the HTTP server (taps serve)
   cli      cli.py, cli_args.py, __main__.py and every */commands.py
 
 Every `import` and `from ... import` counts, at module top or inside a function. Subpackage
@@ -51,7 +52,7 @@ def layer(name: str) -> str:
         return "core"
     if name in CLI or name.endswith(".commands"):
         return "cli"
-    if name == "taps.study":
+    if name == "taps.study" or name.startswith("taps.serve."):  # the server sits beside the pipeline
         return "study"
     if name == "taps.profile":
         return "drafter"

@@ -26,6 +26,7 @@ from taps.outlock import OutputBusyError
 from taps.profile import profile_report
 from taps.propose import commands as propose_commands
 from taps.propose.generate import generate_prompt
+from taps.serve import commands as serve_commands
 from taps.target_source import convert_target
 from taps.train import commands as train_commands
 from taps.train.draft_vocab import reduce_vocab
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     eval_commands.register(sub)
     eval_commands.register_study(sub)
     eval_commands.register_report(sub)
+    serve_commands.register(sub)
     return parser
 
 

@@ -1,0 +1,303 @@
+"""The server's one door into the decoding library: the target, its heads, the variants a request
+may name, and one decode with its tokens passed on as the verifier accepts them.
+
+Nothing else in taps.serve imports the decoder, the proposers or the variant grammar, so a change
+of their API touches this file only.
+
+Variants. A request names one in `extra_body.taps.variant`, or gets the server's default:
+  - `baseline` (also `plain`): plain decoding of the target;
+  - a drafter's name (`--drafter NAME=DIR`): that head alone;
+  - a name given with `--variant NAME=SPEC`;
+  - any SPEC of the composition grammar (taps.eval.variants), e.g. `route-entropy-turn:math,chat`
+    or `merge-trie:math,chat,lookup`, whose members are drafter names or `lookup`. A request can
+    never name a directory: only the heads the server was started with are loaded.
+
+Streaming. The variant's proposer is wrapped in `_Tap`, which hands each step's accepted tokens
+to a callback when the decoder feeds them back (observe), and stops the decode between two steps
+when asked (a client gone, a stop string seen, shutdown): propose() raises `Cancelled`. Plain
+decoding goes through the same wrapper, drafting root-only trees, so it streams too. The tokens
+of the last step, which the decoder does not feed back, come from its result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.eval.variants import HeadPool, VariantSpec, VariantSpecError, parse_spec
+
+PLAIN_NAMES = ("baseline", "plain")
+LOOKUP = "lookup"
+
+
+class VariantError(ValueError):
+    """A variant the server cannot serve (unknown name, bad spec, a member that is not a served head)."""
+
+
+class Cancelled(Exception):
+    """Raised inside the decode loop (between two steps) when its request no longer wants tokens."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str  # what requests and /metrics call it
+    spec: VariantSpec  # members bound to the served drafter directories
+
+    @property
+    def members(self) -> list[str]:
+        return self.spec.member_names
+
+    @property
+    def composition(self) -> bool:
+        return self.spec.strategy in ("route", "merge")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Outcome:
+    """One decode: its new tokens and the figures `usage` and /metrics report."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    finish: str  # "stop_token" | "max_new_tokens" | "cancelled"
+    verifier_calls: int
+    accepted: list[int]  # accepted draft tokens per step
+    heads: list[str | None]  # per step: the head whose tree was verified (routing) or accepted deepest
+    decode_s: float
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance_length(self) -> float:
+        return len(self.tokens) / self.verifier_calls if self.verifier_calls else 0.0
+
+
+@dataclass
+class _Step:
+    accepted: int
+    source: int
+    info: dict = field(default_factory=dict)
+
+
+def _step_head(step, names: Sequence[str]) -> str | None:
+    """The head a step belongs to: the routed one if the proposer routed, else the drafter of the
+    deepest accepted node (None when no draft token was accepted)."""
+    index = step.info.get("route_chosen") if step.info else None
+    if index is None:
+        index = step.source
+    return names[index] if 0 <= index < len(names) else None
+
+
+class _Tap:
+    """The variant's proposer (None: plain decoding), passing accepted tokens on and stoppable."""
+
+    def __init__(self, inner, on_tokens: Callable[[list[int]], None], cancelled: Callable[[], bool]):
+        self.inner, self.on_tokens, self.cancelled = inner, on_tokens, cancelled
+        self.delivered: list[int] = []
+        self.steps: list[_Step] = []
+        self._tree = None
+        self._info: dict = {}
+
+    def _emit(self, tokens: list[int]) -> None:
+        self.delivered += tokens
+        self.on_tokens(list(tokens))
+
+    def start(self, features, tokens) -> None:
+        if self.inner is not None:
+            self.inner.start(features, tokens)
+        self._pending, self._device = int(tokens[-1]), tokens.device
+        self._emit([self._pending])
+
+    def propose(self):
+        from taps.tree import DraftTree
+
+        if self.cancelled():
+            raise Cancelled()
+        tree = self.inner.propose() if self.inner is not None else DraftTree.root_only(self._pending, self._device)
+        self._info = self.inner.step_info() if hasattr(self.inner, "step_info") else {}
+        self._tree = tree
+        return tree
+
+    def step_info(self) -> dict:
+        return self._info
+
+    def observe(self, acceptance, features) -> None:
+        deepest = int(acceptance.nodes[-1])
+        source = int(self._tree.source[deepest]) if acceptance.accepted > 0 else -1
+        self.steps.append(_Step(acceptance.accepted, source, self._info))
+        if self.inner is not None:
+            self.inner.observe(acceptance, features)
+        new = acceptance.new_tokens
+        self._pending = new[-1]
+        self._emit(new)
+
+    def finish(self, tokens: list[int]) -> None:
+        """The tokens of the last step (not fed back by the decoder)."""
+        if tokens[:len(self.delivered)] != self.delivered:
+            raise RuntimeError("streamed tokens differ from the decoder's result")  # a bug, never a user's error
+        if len(tokens) > len(self.delivered):
+            self._emit(tokens[len(self.delivered):])
+
+
+class Engine:
+    """One target, its heads (loaded once) and the variants it serves; decodes one request at a time
+    (the caller serialises: taps.serve.app holds one lock per engine)."""
+
+    def __init__(self, target, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
+                 tree: TreeConfig = TreeConfig(), auto_tree: bool = False, model_id: str | None = None,
+                 attn_implementation: str = "sdpa"):
+        if target.tokenizer is None:
+            raise ValueError("the target has no tokenizer; taps serve needs one to read prompts and write text")
+        self.target, self.tree = target, tree
+        self.model_id = model_id or getattr(target, "name", None) or "taps-target"
+        names = [n for n, _ in drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
+        clash = [n for n in names if n in PLAIN_NAMES]
+        if clash:
+            raise ValueError(f"--drafter name {clash[0]!r} is reserved for plain decoding; name the head otherwise")
+        self.drafters = dict(drafters)
+        self.pool = HeadPool(target, attn_implementation)
+        for name, path in drafters:  # load every head now: a bad directory fails at startup, not per request
+            self.pool.head(path)
+        self.stop = target.stop_token_ids()
+        self.named: dict[str, Variant] = {n: Variant(n, VariantSpec(n, "baseline")) for n in PLAIN_NAMES}
+        self.named.update({n: self._bind(n, n, "--drafter") for n in self.drafters})
+        self._adhoc: dict[str, Variant] = {}
+        default = None
+        for text in variants:
+            name, spec = _named_spec(text)
+            variant = self._bind(name, spec, "--variant")
+            self.named[name] = variant
+            default = default or variant
+        if default is None and len(names) > 1:  # several heads: confidence routing over all of them
+            default = self._bind("route", "route:" + ",".join(names), "--drafter")
+            self.named.setdefault("route", default)
+        elif default is None:
+            default = self.named[names[0] if names else "baseline"]
+        self.default = default
+        self.policy = None
+        if auto_tree:
+            from taps.profile import auto_tree_policy
+
+            heads = {n: self.pool.head(p) for n, p in drafters}
+            self.policy = auto_tree_policy(target, heads, tree)
+        for variant in {id(v): v for v in self.named.values()}.values():  # averages are computed once, now
+            self.pool.proposer(variant.spec, tree, self.policy)
+
+    @classmethod
+    def load(cls, target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
+             tree: TreeConfig = TreeConfig(), auto_tree: bool = False, device: str = "auto", dtype: str = "auto",
+             attn_implementation: str = "sdpa", model_id: str | None = None) -> "Engine":
+        from taps.target import Target
+
+        loaded = Target.load(target, device=device, dtype=dtype, attn_implementation=attn_implementation)
+        return cls(loaded, drafters, variants, tree, auto_tree, model_id, attn_implementation)
+
+    # ---- facts -----------------------------------------------------------------------------
+    @property
+    def context_window(self) -> int:
+        return self.target.context_window
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    def describe(self) -> dict:
+        return {"drafters": list(self.drafters), "variants": sorted(self.named), "default_variant": self.default.label,
+                "context_window": self.context_window, "tree": {**asdict(self.tree), "auto": self.policy is not None}}
+
+    # ---- variants ----------------------------------------------------------------------------
+    def _bind(self, label: str, spec_text: str, where: str) -> Variant:
+        """A variant whose members name served drafters (or lookup), bound to their directories."""
+        try:
+            spec = parse_spec(label, spec_text)
+        except VariantSpecError as err:
+            raise VariantError(f"{where} {spec_text!r}: {err}") from None
+        members = []
+        for name, path in spec.drafters:
+            if path in self.drafters:
+                members.append((name, self.drafters[path]))
+            elif path == LOOKUP:
+                members.append((name, LOOKUP))
+            else:
+                served = ", ".join([*self.drafters, LOOKUP])
+                raise VariantError(f"{where} {spec_text!r}: {path!r} is not a served drafter; expected one of "
+                                   f"{served} (or baseline)")
+        try:
+            return Variant(label, replace(spec, drafters=tuple(members)))
+        except VariantSpecError as err:
+            raise VariantError(f"{where} {spec_text!r}: {err}") from None
+
+    def resolve(self, text: str | None) -> Variant:
+        """The variant a request names (None: the server's default)."""
+        if text is None:
+            return self.default
+        text = text.strip()
+        if text in self.named:
+            return self.named[text]
+        if text not in self._adhoc:
+            variant = self._bind(text, text, "variant")
+            if variant.spec.strategy == "average":
+                self.pool.proposer(variant.spec, self.tree, self.policy)  # the average, computed once
+            if len(self._adhoc) >= 256:  # bounded: requests choose the keys
+                self._adhoc.pop(next(iter(self._adhoc)))
+            self._adhoc[text] = variant
+        return self._adhoc[text]
+
+    # ---- text ----------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        from taps.decode import chat_ids
+
+        return chat_ids(self.target.tokenizer, messages)
+
+    def text_prompt(self, text: str) -> list[int]:
+        return self.target.tokenizer(text)["input_ids"]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """As `taps generate` prints them: stop tokens and special tokens left out."""
+        stop = set(self.stop)
+        return self.target.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
+
+    # ---- decoding ----------------------------------------------------------------------------
+    def decode(self, prompt: list[int], variant: Variant, sampling: Sampling,
+               on_tokens: Callable[[list[int]], None] = lambda tokens: None,
+               cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        """Decode one continuation (blocking); `on_tokens` gets each step's tokens as soon as they are
+        accepted, and `cancelled` is polled between steps."""
+        from taps.decode import generate
+
+        tap = _Tap(self.pool.proposer(variant.spec, self.tree, self.policy), on_tokens, cancelled)
+        cfg = DecodeConfig(max_new_tokens=sampling.max_tokens, stop_token_ids=self.stop, seed=sampling.seed,
+                           sampling=SamplingConfig(sampling.temperature, sampling.top_p))
+        names = variant.members
+        start = time.perf_counter()
+        try:
+            result = generate(self.target, tap, prompt, cfg)
+        except Cancelled:
+            return Outcome(tap.delivered, len(prompt), "cancelled", 1 + len(tap.steps), [s.accepted for s in tap.steps],
+                           [_step_head(s, names) for s in tap.steps], time.perf_counter() - start)
+        tap.finish(result.tokens)
+        return Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
+                       [s.accepted for s in result.steps], [_step_head(s, names) for s in result.steps],
+                       time.perf_counter() - start)
+
+
+def _named_spec(text: str) -> tuple[str, str]:
+    """`--variant NAME=SPEC` or a bare SPEC (named by itself). A SPEC's members may hold `=` too
+    (route:m=DIR), so NAME is what precedes the first `=` only if it has no `:`, `,` or `/`."""
+    name, sep, spec = text.partition("=")
+    if sep and name and spec and not any(c in name for c in ":,/"):
+        return name.strip(), spec.strip()
+    return text.strip(), text.strip()
