@@ -6,7 +6,7 @@ import argparse
 
 from taps.cli_args import add_settings, device_arg, settings_from
 from taps.data.mix import mix_to_file
-from taps.data.regenerate import RegenerateSettings, regenerate_file
+from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
 
 
@@ -26,11 +26,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     regen = dsub.add_parser("regenerate", help="replace every assistant turn with the target's own response "
                                                "(resumable)")
-    regen.add_argument("--target", required=True, help="Hugging Face model directory, .gguf file or known name")
+    where = regen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="Hugging Face model directory, .gguf file or known name")
+    where.add_argument("--endpoint", metavar="URL",
+                       help="decode on an OpenAI-compatible server that serves the target instead (vLLM, SGLang, "
+                            "taps serve), e.g. http://127.0.0.1:8000/v1 (/v1 is added when missing)")
     regen.add_argument("--data", required=True, help="records JSONL (e.g. from `taps data mix`)")
     regen.add_argument("--out", required=True, help="output JSONL; a rerun skips the records already in it")
     regen.add_argument("--drafter", help="optional drafter directory: regenerate with lossless speculative decoding")
     add_settings(regen, RegenerateSettings)
+    add_settings(regen, EndpointSettings)
     regen.add_argument("--device", type=device_arg, default="auto")
     regen.add_argument("--dtype", default="auto")
     regen.set_defaults(func=_regenerate)
@@ -43,5 +48,5 @@ def _mix(args: argparse.Namespace) -> int:
 
 def _regenerate(args: argparse.Namespace) -> int:
     print(regenerate_file(args.target, args.data, args.out, settings_from(RegenerateSettings, args), args.drafter,
-                          args.device, args.dtype))
+                          args.device, args.dtype, endpoint=args.endpoint, via=settings_from(EndpointSettings, args)))
     return 0

@@ -15,6 +15,11 @@ seeded per batch, not per record.
 `max_turns` keeps the first K user turns of each conversation (and drops the rest), for data
 whose later turns would be cut by the features' maximum length anyway.
 
+Through a server (`regenerate_endpoint`, `--endpoint URL`): the same records from any
+OpenAI-compatible server that serves the target (vLLM or SGLang on a cluster, `taps serve`
+here), `concurrency` records in flight; if the server goes away, what is written stays and a
+rerun resumes.
+
 Resumable: one JSON line per finished record, written in a single write and fsync'ed; a rerun
 skips every id already in the output, and drops a torn last line left by a crash.
 """
@@ -22,9 +27,10 @@ skips every id already in the output, and drops a torn last line left by a crash
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -72,10 +78,8 @@ def _done_ids(out: Path) -> set[str]:
     return {str(row["id"]) for _, row in rows}
 
 
-def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSettings = RegenerateSettings(),
-               proposer=None, progress=sys.stderr) -> int:
-    """Regenerate every record of `data` not yet in `out`; returns how many were written now."""
-    data, out = Path(data), Path(out)
+def _pending(data: Path, out: Path, settings: RegenerateSettings) -> tuple[int, int, list[tuple[int, dict]]]:
+    """(records in data, records already in out, [(index, record cut to max_turns)] still to do)."""
     records = read_conversations(data)
     ids = [str(r.get("id", i)) for i, r in enumerate(records)]
     if len(set(ids)) != len(ids):
@@ -83,13 +87,27 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
         raise ValueError(f"{data}: record id {dup!r} appears more than once; ids must be unique to resume")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
+    return len(records), len(done), [(i, _first_turns(r, settings.max_turns)) for i, r in enumerate(records)
+                                     if ids[i] not in done]
+
+
+def _report(progress, done: int, total: int, n: int, todo: int, start: float) -> None:
+    rate = n / max(time.time() - start, 1e-9)
+    print(f"regenerate: {done + n}/{total} records, {rate:.2f} records/s, ETA {(todo - n) / rate / 60:.1f} min",
+          file=progress, flush=True)
+
+
+def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSettings = RegenerateSettings(),
+               proposer=None, progress=sys.stderr) -> int:
+    """Regenerate every record of `data` not yet in `out`; returns how many were written now."""
+    data, out = Path(data), Path(out)
+    total, done, todo = _pending(data, out, settings)
     base = DecodeConfig(max_new_tokens=settings.max_new_tokens,
                         sampling=SamplingConfig(settings.temperature, settings.top_p),
                         stop_token_ids=target.stop_token_ids())
     if settings.batch_size > 1 and proposer is not None:
         raise ValueError("batched regeneration uses transformers' generate; a drafter needs batch_size 1")
     written, start = 0, time.time()
-    todo = [(i, _first_turns(r, settings.max_turns)) for i, r in enumerate(records) if ids[i] not in done]
     if settings.max_prompt_tokens is not None:
         lengths = {i: len(chat_ids(target.tokenizer, _first_prompt(r))) for i, r in todo}
         skipped = [i for i, _ in todo if lengths[i] > settings.max_prompt_tokens]
@@ -113,17 +131,34 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
         written += len(new_records)
         n = n0 + len(chunk)
         if progress is not None and (n % 10 < len(chunk) or n == len(todo)):
-            rate = n / (time.time() - start)
-            print(f"regenerate: {len(done) + n}/{len(records)} records, {rate:.2f} records/s, "
-                  f"ETA {(len(todo) - n) / rate / 60:.1f} min", file=progress, flush=True)
+            _report(progress, done, total, n, len(todo), start)
     return written
 
 
-def regenerate_file(target_spec: str, data: str | Path, out: str | Path,
+def regenerate_file(target_spec: str | None, data: str | Path, out: str | Path,
                     settings: RegenerateSettings = RegenerateSettings(), drafter: str | None = None,
-                    device: str = "auto", dtype: str = "auto") -> str:
+                    device: str = "auto", dtype: str = "auto", endpoint: str | None = None,
+                    via: "EndpointSettings | None" = None) -> str:
     """`taps data regenerate`: regenerate() on a target loaded from `target_spec`, speculatively
-    with the drafter directory `drafter` if given; returns what was written."""
+    with the drafter directory `drafter` if given; or, with `endpoint` (a URL) instead of a target,
+    regenerate_endpoint() through that server with the options `via`. Returns what was written."""
+    via = via or EndpointSettings()
+    if endpoint is not None:
+        if target_spec is not None:
+            raise ValueError("--target and --endpoint are exclusive: decode here or on the server, not both")
+        if drafter:
+            raise ValueError("--drafter is for the local path; with --endpoint the server decodes (start it with its "
+                             "drafters, e.g. taps serve --drafter)")
+        client = Endpoint(endpoint, model=via.model, api_key=via.api_key or os.environ.get("OPENAI_API_KEY"),
+                          retries=5 if via.retries is None else via.retries)
+        written = regenerate_endpoint(client, data, out, settings, concurrency=via.concurrency or 1)
+        return f"regenerated {written:,} records into {out} through {client.url}"
+    given = [f.name for f in fields(EndpointSettings) if getattr(via, f.name) is not None]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} is for --endpoint; the local path decodes one record at "
+                         "a time (or --batch-size)")
+    if target_spec is None:
+        raise ValueError("name the target: --target DIR (decode here) or --endpoint URL (decode on a server)")
     target = Target.load(target_spec, device=device, dtype=dtype)
     proposer = SingleProposer(load_head(drafter, target)[0]) if drafter else None
     return f"regenerated {regenerate(target, data, out, settings, proposer):,} records into {out}"
@@ -190,14 +225,205 @@ def _regenerate_batch(target, records: list[dict], cfg: DecodeConfig, seed: int)
 
 
 def _regenerate_one(target, record: dict, cfg: DecodeConfig, proposer) -> dict:
+    session = ChatSession(target, proposer, cfg)
+
+    def answer(messages: list[dict]) -> tuple[str, str, int]:
+        session.messages = messages[:-1]
+        reply, result = session.send(messages[-1]["content"])
+        return reply, result.stop_reason, len(result.tokens)
+
+    return _replay(record, answer)
+
+
+def _replay(record: dict, answer) -> dict:
+    """The record with every assistant turn replaced by answer(messages so far) -> (reply,
+    stop reason, new tokens), turn by turn (a later user turn follows the earlier replies)."""
     turns = record["conversations"]
     system = turns[0]["content"] if turns and turns[0]["role"] == "system" else None
-    session = ChatSession(target, proposer, cfg, system=system)
+    messages = [{"role": "system", "content": system}] if system else []
     stops, new_tokens = [], 0
     for turn in turns:
         if turn["role"] == "user":
-            _, result = session.send(turn["content"])
-            stops.append(result.stop_reason)
-            new_tokens += len(result.tokens)
-    return {**record, "conversations": session.messages,
+            messages.append({"role": "user", "content": turn["content"]})
+            reply, stop, n = answer(messages)
+            messages.append({"role": "assistant", "content": reply})
+            stops.append(stop)
+            new_tokens += n
+    return {**record, "conversations": messages,
             "regenerated": {"original_turns": len(turns), "stop_reasons": stops, "new_tokens": new_tokens}}
+
+
+# ---- through an OpenAI-compatible server ---------------------------------------------------------
+class EndpointError(ValueError):
+    """The server cannot be reached (after retries) or refuses the requests; what is written stays."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def too_long(self) -> bool:
+        """A 400 about the context window: that record is skipped, the run goes on."""
+        return self.status == 400 and "context" in str(self).lower()
+
+
+@dataclass
+class EndpointSettings:
+    # `taps data regenerate --endpoint`'s options (cli_args.add_settings); None: not given
+    concurrency: int | None = setting(None, "--endpoint: records in flight at once (default 1; with more, records "
+                                            "are written as they finish)", at_least=1)
+    model: str | None = setting(None, "--endpoint: the served model's id (default: the first of GET /v1/models)")
+    api_key: str | None = setting(None, "--endpoint: bearer token (default: $OPENAI_API_KEY)")
+    retries: int | None = setting(None, "--endpoint: retries of a request that failed for want of the server "
+                                        "(connection refused, timeout, 429, 5xx), waiting 1, 2, 4, ... s (default "
+                                        "5); then the run stops and a rerun resumes")
+
+    def __post_init__(self) -> None:
+        if self.retries is not None and self.retries < 0:
+            raise ValueError(f"--retries must be >= 0, got {self.retries}")
+
+
+FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
+
+
+@dataclass
+class Endpoint:
+    """A minimal client of POST {url}/chat/completions (standard library only): retries connection
+    errors, timeouts, 429, 500, 502, 503 and 504 with exponential backoff (or the server's
+    Retry-After), and gives up with an EndpointError after `retries` retries."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = None
+    retries: int = 5
+    backoff: float = 1.0  # seconds before the first retry; doubles each time
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        url = self.url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint {self.url!r}: expected an http:// or https:// URL, e.g. "
+                             "http://127.0.0.1:8000/v1")
+        self.url = url if url.endswith("/v1") else url + "/v1"
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        import urllib.error
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        for attempt in range(self.retries + 1):
+            wait = self.backoff * 2 ** attempt
+            try:
+                request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return json.loads(reply.read())
+            except urllib.error.HTTPError as err:
+                text = err.read().decode("utf-8", "replace")
+                if err.code not in (408, 429, 500, 502, 503, 504):
+                    raise EndpointError(f"{self.url}{path} answered {err.code}: {_server_message(text)}",
+                                        err.code) from None
+                why = f"{err.code} {_server_message(text)}"
+                wait = float(err.headers.get("Retry-After") or wait) if err.code in (429, 503) else wait
+            except (urllib.error.URLError, OSError, json.JSONDecodeError) as err:
+                why = str(getattr(err, "reason", err))
+            if attempt < self.retries:
+                time.sleep(wait)
+        raise EndpointError(f"{self.url}{path}: {why} (gave up after {self.retries} retries); the records written "
+                            "so far are kept, rerun to resume")
+
+    def served_model(self) -> str:
+        if self.model is None:
+            models = self._call("GET", "/models").get("data") or []
+            if not models:
+                raise EndpointError(f"{self.url}/models lists no model; name one with --model")
+            self.model = str(models[0]["id"])
+        return self.model
+
+    def chat(self, messages: list[dict], settings: RegenerateSettings, seed: int) -> tuple[str, str, int]:
+        """(reply, stop reason as the local path names it, new tokens)."""
+        body = {"model": self.served_model(), "messages": messages, "max_tokens": settings.max_new_tokens,
+                "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
+        reply = self._call("POST", "/chat/completions", body)
+        choice = reply["choices"][0]
+        tokens = (reply.get("usage") or {}).get("completion_tokens")
+        return (choice["message"].get("content") or "", FINISH_REASONS.get(choice.get("finish_reason"), "stop_token"),
+                tokens if tokens is not None else -1)
+
+
+def _server_message(text: str) -> str:
+    try:
+        error = json.loads(text).get("error")
+        return error.get("message", text) if isinstance(error, dict) else str(error or text)
+    except (json.JSONDecodeError, AttributeError):
+        return " ".join(text.split())[:300]
+
+
+def regenerate_endpoint(endpoint: Endpoint, data: str | Path, out: str | Path,
+                        settings: RegenerateSettings = RegenerateSettings(), concurrency: int = 1,
+                        progress=sys.stderr) -> int:
+    """`regenerate` through an OpenAI-compatible server (vLLM, SGLang, `taps serve`) that serves the
+    target: the same records (greedy: the same answers, when the server renders the chat template
+    as the target's tokenizer does), the same resume. `concurrency` records are in flight at once;
+    each is written when it finishes (so with concurrency > 1 in finishing order; ids say which is
+    which). If the server goes away, the records finished so far are kept and EndpointError says
+    to rerun."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if settings.batch_size > 1 or settings.max_prompt_tokens is not None:
+        raise ValueError("--batch-size and --max-prompt-tokens are for the local path; with --endpoint the server "
+                         "batches, and refuses prompts beyond its context window")
+    data, out = Path(data), Path(out)
+    total, done, todo = _pending(data, out, settings)
+    if not todo:
+        return 0
+    endpoint.served_model()  # fails before any work if the server is not there
+
+    def one(index: int, record: dict) -> dict | str:
+        seed = settings.seed * 1_000_003 + index
+        try:
+            new = _replay(record, lambda messages: endpoint.chat(messages, settings, seed))
+        except EndpointError as err:
+            if err.too_long:
+                return str(err)
+            raise
+        new["regenerated"].update(temperature=settings.temperature, seed=settings.seed)
+        return new
+
+    written, skipped, start = 0, [], time.time()
+
+    def keep(result: dict | str) -> None:
+        nonlocal written
+        if isinstance(result, str):
+            skipped.append(result)
+            return
+        append_jsonl(out, [result])
+        written += 1
+        if progress is not None and (written % 10 == 0 or written + len(skipped) == len(todo)):
+            _report(progress, done, total, written, len(todo), start)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        order = {pool.submit(one, i, r): i for i, r in todo}
+        pending, failure = set(order), None
+        while pending and failure is None:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=order.get):
+                if future.exception() is not None:
+                    failure = failure or future.exception()
+                    continue
+                keep(future.result())
+        if failure is not None:
+            for future in pending:
+                future.cancel()
+            for future in sorted(wait(pending).done, key=order.get):  # those already running: keep what finishes
+                if not future.cancelled() and future.exception() is None:
+                    keep(future.result())
+            raise EndpointError(f"{failure} ({written} record(s) written in this run)") from None
+    if skipped and progress is not None:
+        print(f"regenerate: skipped {len(skipped)} record(s) the server refused as too long for its context window "
+              f"(the first: {skipped[0]})", file=progress, flush=True)
+    return written
