@@ -5,7 +5,6 @@ with a 4xx naming the field (the server answering afterwards), SIGTERM."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -13,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from taps.cli import main  # noqa: E402
 from taps.config import TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import DrafterInfo, save_head  # noqa: E402
 from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
-from taps.serve.app import Limits, create_app  # noqa: E402
+from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import parse  # noqa: E402
 from taps.target import Target  # noqa: E402
@@ -43,27 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(app, port: int | None = None):
-    """A uvicorn server in a thread on 127.0.0.1; yields (server, base URL)."""
-    import uvicorn
-
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def fitted_heads(target_dir: Path, out: Path) -> list[tuple[str, str]]:
@@ -85,7 +62,7 @@ def served(target_dir, tmp_path_factory):
     heads = fitted_heads(target_dir, tmp_path_factory.mktemp("heads"))
     engine = Engine.load(str(target_dir), heads, ["pair=merge-trie:a,b"], TreeConfig(16, 4, 4), device="cpu",
                          dtype="float32", model_id=MODEL)
-    with live_server(create_app(engine, Limits(max_queue=4, max_tokens=64))) as (_, url):
+    with serving(create_app(engine, Limits(max_queue=4, max_tokens=64))) as (_, url):
         yield {"url": url, "target": str(target_dir), "heads": dict(heads),
                "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)}
 
@@ -309,7 +286,7 @@ def long_target(tmp_path_factory):
 
 def test_full_queue_answers_429_and_a_client_gone_frees_the_decoder(long_target):
     engine = Engine.load(str(long_target), device="cpu", dtype="float32", model_id=MODEL)
-    with live_server(create_app(engine, Limits(max_queue=0, max_tokens=2000))) as (_, url):
+    with serving(create_app(engine, Limits(max_queue=0, max_tokens=2000))) as (_, url):
         host, port = url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "temperature": 0, "stream": True}

@@ -13,11 +13,11 @@ pytest.importorskip("uvicorn")
 
 from taps.cli import main  # noqa: E402
 from taps.data.regenerate import Endpoint, RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
-from taps.serve.app import create_app  # noqa: E402
+from taps.serve.app import create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.target import Target  # noqa: E402
 from test_features import write_records  # noqa: E402
-from test_serve import MODEL, live_server  # noqa: E402
+from test_serve import MODEL  # noqa: E402
 
 SETTINGS = RegenerateSettings(max_new_tokens=8)
 
@@ -48,7 +48,7 @@ def lines(path):
 def test_endpoint_gives_the_local_records_and_resumes(engine, local, tmp_path):
     data, expected = local
     assert len(expected[2]["regenerated"]["stop_reasons"]) == 2
-    with live_server(create_app(engine)) as (_, url):
+    with serving(create_app(engine)) as (_, url):
         out = tmp_path / "remote.jsonl"
         assert regenerate_endpoint(Endpoint(url), data, out, SETTINGS, progress=None) == 5
         assert lines(out) == expected  # same records, same order, same regenerated block
@@ -84,7 +84,7 @@ def test_server_going_away_mid_run_keeps_the_records_and_a_rerun_resumes(engine,
     out = tmp_path / "out.jsonl"
     argv = ["data", "regenerate", "--data", str(data), "--out", str(out), "--max-new-tokens", "8", "--retries", "1"]
     app = StopAfter(create_app(engine), n=3)
-    with live_server(app) as (server, url):
+    with serving(app) as (server, url):
         app.server = server
         code = main([*argv, "--endpoint", url])
         err = capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_server_going_away_mid_run_keeps_the_records_and_a_rerun_resumes(engine,
     assert code == 2 and len(errors) == 1 and url in errors[0] and "rerun to resume" in errors[0], err
     partial = lines(out)
     assert 1 <= len(partial) < 5 and partial == expected[:len(partial)]
-    with live_server(create_app(engine)) as (_, url):
+    with serving(create_app(engine)) as (_, url):
         assert main([*argv, "--endpoint", url]) == 0
     assert lines(out) == expected  # no record lost or written twice
 

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -272,8 +273,6 @@ def _internal(err: BaseException) -> RequestError:
 
 
 def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
-    from contextlib import asynccontextmanager
-
     server = Server(engine, limits)
 
     @asynccontextmanager
@@ -344,3 +343,25 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeou
     finally:
         for sig, handler in done.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0):
+    """Serve `app` from a background thread (tests, benchmarks, notebooks) until the block ends;
+    yields (the uvicorn server, its base URL). Port 0: a free port, chosen by the system."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=shutdown_timeout))
+    thread = threading.Thread(target=server.run, daemon=True, name="taps-serve")
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield server, f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
