@@ -11,34 +11,24 @@ import argparse
 from taps.cli_args import DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, positive_int, tree_shape
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 1..65535, got {text!r}")
-    return value
+def _number(kind: type, low: float, high: float | None, what: str):
+    """An argparse type: a `kind` number in [low, high], refused naming `what` was expected."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+_port = _number(int, 1, 65535, "a port number 1..65535")
+_non_negative = _number(int, 0, None, "an integer >= 0")
+_seconds = _number(float, 0.0, None, "a number of seconds >= 0")
 
 
 def register(sub) -> None:
@@ -56,7 +46,7 @@ def register(sub) -> None:
                         "plain decoding)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--served-model-name", help="the model id of /v1/models and requests (default: the target's name)")
+    p.add_argument("--served-model-name", help="the model id of /v1/models and requests (default: --target as given)")
     p.add_argument("--max-queue", type=_non_negative, default=16,
                    help="requests that may wait for the decoder; beyond them: 429 with Retry-After")
     p.add_argument("--max-tokens", type=positive_int, default=2048,
