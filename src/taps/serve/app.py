@@ -95,9 +95,9 @@ class Job:
         self.arrived = arrived
         self.thread = threading.Thread(target=self._work, args=(prompt, sampling), daemon=True, name="taps-decode")
 
-    def _post(self, *event) -> None:
+    def _call(self, function, *args) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(function, *args)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
@@ -105,22 +105,20 @@ class Job:
         start = time.perf_counter()
         try:
             outcome = self.server.engine.decode(prompt, self.variant, sampling,
-                                                on_tokens=lambda tokens: self._post("tokens", tokens),
+                                                on_tokens=lambda tokens: self._call(self.queue.put_nowait,
+                                                                                    ("tokens", tokens)),
                                                 cancelled=self.cancel.is_set)
             if outcome.finish == "cancelled" and self.text.stopped:
                 outcome.finish = "stop_string"
             self.server.metrics.finished(self.endpoint, self.variant, outcome, FINISH_LABEL[outcome.finish],
                                          time.perf_counter() - self.arrived)
-            self._post("done", outcome)
+            last = ("done", outcome)
         except BaseException as err:  # reported to the client; the server goes on
             self.server.metrics.failed(self.endpoint, self.variant.label, time.perf_counter() - self.arrived)
-            self._post("error", err)
-        finally:
-            seconds = time.perf_counter() - start
-            try:
-                self.loop.call_soon_threadsafe(self._released, seconds)
-            except RuntimeError:
-                pass
+            last = ("error", err)
+        # the decoder is free before the response is complete (callbacks run in this order)
+        self._call(self._released, time.perf_counter() - start)
+        self._call(self.queue.put_nowait, last)
 
     def _released(self, seconds: float) -> None:
         self.server.scheduler.cancels.discard(self.cancel)
