@@ -314,6 +314,8 @@ def test_taps_serve_command_binds_localhost_and_stops_on_sigterm(target_dir, tmp
 
     args = build_parser().parse_args(["serve", "--target", "x"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_queue == 16
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "(default: 127.0.0.1)" in help_text and "(default: None)" not in help_text and "[])" not in help_text
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "taps", "serve", "--target", str(target_dir), "--port", str(port),

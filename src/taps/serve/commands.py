@@ -37,15 +37,15 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: the target with its draft heads, one "
                                      "request at a time", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="Hugging Face model directory, .gguf file or known name")
-    p.add_argument("--drafter", action="append", default=[], type=parse_named_drafter, metavar="[NAME=]DIR",
+    p.add_argument("--drafter", action="append", type=parse_named_drafter, metavar="[NAME=]DIR",
                    help="a head to serve (repeat); requests name it, or compose heads by name, in "
                         "extra_body.taps.variant")
-    p.add_argument("--variant", action="append", default=[], metavar="[NAME=]SPEC",
+    p.add_argument("--variant", action="append", metavar="[NAME=]SPEC",
                    help="a named variant over the drafters' names (repeat), e.g. routed=route-entropy-turn:math,chat; "
                         "the first is the default (default: the one drafter; several: route over all; none: "
                         "plain decoding)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", help="the model id of /v1/models and requests (default: --target as given)")
     p.add_argument("--max-queue", type=_non_negative, default=16,
                    help="requests that may wait for the decoder; beyond them: 429 with Retry-After")
@@ -55,7 +55,8 @@ def register(sub) -> None:
                                                                   "target's context window less one)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM / SIGINT: seconds running requests may finish before they are cancelled")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info: one line per request)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     add_tree_arguments(p, auto=True)
     add_device_arguments(p)
@@ -71,7 +72,7 @@ def _serve(args) -> int:
     from taps.serve.engine import Engine
 
     limits = Limits(max_queue=args.max_queue, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens)
-    engine = Engine.load(args.target, args.drafter, args.variant, TreeConfig(*tree_shape(args)),
+    engine = Engine.load(args.target, args.drafter or [], args.variant or [], TreeConfig(*tree_shape(args)),
                          auto_tree=args.tree == "auto", device=args.device, dtype=args.dtype,
                          attn_implementation=args.attn, model_id=args.served_model_name)
     print(f"taps serve: {engine.model_id} on http://{args.host}:{args.port}/v1 (drafters: "
