@@ -8,15 +8,15 @@ Variants. A request names one in `extra_body.taps.variant`, or gets the server's
   - `baseline` (also `plain`): plain decoding of the target;
   - a drafter's name (`--drafter NAME=DIR`): that head alone;
   - a name given with `--variant NAME=SPEC`;
-  - any SPEC of the composition grammar (taps.eval.variants), e.g. `route-entropy-turn:math,chat`
+  - any SPEC of the composition grammar (taps.propose.spec), e.g. `route-entropy-turn:math,chat`
     or `merge-trie:math,chat,lookup`, whose members are drafter names or `lookup`. A request can
     never name a directory: only the heads the server was started with are loaded.
 
-Streaming. The variant's proposer is wrapped in `_Tap`, which hands each step's accepted tokens
-to a callback when the decoder feeds them back (observe), and stops the decode between two steps
-when asked (a client gone, a stop string seen, shutdown): propose() raises `Cancelled`. Plain
-decoding goes through the same wrapper, drafting root-only trees, so it streams too. The tokens
-of the last step, which the decoder does not feed back, come from its result.
+Streaming. The variant's proposer (for plain decoding, the core's PlainProposer) is wrapped in
+`_Tap`, a Proposer itself, which hands each step's accepted tokens to a callback when the decoder
+feeds them back (observe), and stops the decode between two steps when asked (a client gone, a
+stop string seen, shutdown): propose() raises `Cancelled`. The tokens of the last step, which the
+decoder does not feed back, come from its result.
 """
 
 from __future__ import annotations
@@ -26,10 +26,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-from taps.eval.variants import HeadPool, VariantSpec, VariantSpecError, parse_spec
+from taps.decode import chat_ids, generate
+from taps.profile import auto_tree_policy
+from taps.propose.base import Proposer
+from taps.propose.factory import HeadPool
+from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
+from taps.target import Target
+from taps.tree import DraftTree
+from taps.verify import Acceptance
 
 PLAIN_NAMES = ("baseline", "plain")
-LOOKUP = "lookup"
 
 
 class VariantError(ValueError):
@@ -100,13 +106,12 @@ def _step_head(step, names: Sequence[str]) -> str | None:
 
 
 class _Tap:
-    """The variant's proposer (None: plain decoding), passing accepted tokens on and stoppable."""
+    """A Proposer around the variant's own, passing accepted tokens on and stoppable."""
 
-    def __init__(self, inner, on_tokens: Callable[[list[int]], None], cancelled: Callable[[], bool]):
+    def __init__(self, inner: Proposer, on_tokens: Callable[[list[int]], None], cancelled: Callable[[], bool]):
         self.inner, self.on_tokens, self.cancelled = inner, on_tokens, cancelled
         self.delivered: list[int] = []
         self.steps: list[_Step] = []
-        self._tree = None
         self._info: dict = {}
 
     def _emit(self, tokens: list[int]) -> None:
@@ -114,33 +119,25 @@ class _Tap:
         self.on_tokens(list(tokens))
 
     def start(self, features, tokens) -> None:
-        if self.inner is not None:
-            self.inner.start(features, tokens)
-        self._pending, self._device = int(tokens[-1]), tokens.device
-        self._emit([self._pending])
+        self.inner.start(features, tokens)
+        self._emit([int(tokens[-1])])  # the pending token: the target's first new token
 
-    def propose(self):
-        from taps.tree import DraftTree
-
+    def propose(self) -> DraftTree:
         if self.cancelled():
             raise Cancelled()
-        tree = self.inner.propose() if self.inner is not None else DraftTree.root_only(self._pending, self._device)
-        self._info = self.inner.step_info() if hasattr(self.inner, "step_info") else {}
-        self._tree = tree
+        tree = self.inner.propose()
+        self._info = self.inner.step_info()
         return tree
 
     def step_info(self) -> dict:
         return self._info
 
-    def observe(self, acceptance, features) -> None:
+    def observe(self, tree: DraftTree, acceptance: Acceptance, features) -> None:
         deepest = int(acceptance.nodes[-1])
-        source = int(self._tree.source[deepest]) if acceptance.accepted > 0 else -1
+        source = int(tree.source[deepest]) if acceptance.accepted > 0 else -1
         self.steps.append(_Step(acceptance.accepted, source, self._info))
-        if self.inner is not None:
-            self.inner.observe(acceptance, features)
-        new = acceptance.new_tokens
-        self._pending = new[-1]
-        self._emit(new)
+        self.inner.observe(tree, acceptance, features)
+        self._emit(acceptance.new_tokens)
 
     def finish(self, tokens: list[int]) -> None:
         """The tokens of the last step (not fed back by the decoder)."""
@@ -189,10 +186,7 @@ class Engine:
         self.default = default
         self.policy = None
         if auto_tree:
-            from taps.profile import auto_tree_policy
-
-            heads = {n: self.pool.head(p) for n, p in drafters}
-            self.policy = auto_tree_policy(target, heads, tree)
+            self.policy = auto_tree_policy(target, {n: self.pool.head(p) for n, p in drafters}, tree)
         for variant in {id(v): v for v in self.named.values()}.values():  # averages are computed once, now
             self.pool.proposer(variant.spec, tree, self.policy)
 
@@ -200,8 +194,6 @@ class Engine:
     def load(cls, target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
              tree: TreeConfig = TreeConfig(), auto_tree: bool = False, device: str = "auto", dtype: str = "auto",
              attn_implementation: str = "sdpa", model_id: str | None = None) -> "Engine":
-        from taps.target import Target
-
         loaded = Target.load(target, device=device, dtype=dtype, attn_implementation=attn_implementation)
         return cls(loaded, drafters, variants, tree, auto_tree, model_id, attn_implementation)
 
@@ -258,8 +250,6 @@ class Engine:
 
     # ---- text ----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        from taps.decode import chat_ids
-
         return chat_ids(self.target.tokenizer, messages)
 
     def text_prompt(self, text: str) -> list[int]:
@@ -276,8 +266,6 @@ class Engine:
                cancelled: Callable[[], bool] = lambda: False) -> Outcome:
         """Decode one continuation (blocking); `on_tokens` gets each step's tokens as soon as they are
         accepted, and `cancelled` is polled between steps."""
-        from taps.decode import generate
-
         tap = _Tap(self.pool.proposer(variant.spec, self.tree, self.policy), on_tokens, cancelled)
         cfg = DecodeConfig(max_new_tokens=sampling.max_tokens, stop_token_ids=self.stop, seed=sampling.seed,
                            sampling=SamplingConfig(sampling.temperature, sampling.top_p))

@@ -1,0 +1,59 @@
+"""`taps serve` as one call: its options (ServeSettings, declared once as config.setting fields)
+and serve(), which loads the engine and runs the server until SIGTERM / SIGINT.
+
+FastAPI and uvicorn (the `serve` extra) load only here, when a server starts: `taps --help` and
+the other commands do not need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from taps.config import TreeConfig, setting
+from taps.serve.engine import Engine
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    # `taps serve`'s server options (cli_args.add_settings)
+    host: str = setting("127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)")
+    port: int = setting(8000, "port to listen on (1..65535)")
+    served_model_name: str | None = setting(None, "the model id of /v1/models and requests (default: --target as "
+                                                  "given)")
+    max_queue: int = setting(16, "requests that may wait for the decoder (>= 0); beyond them: 429 with Retry-After")
+    max_tokens: int = setting(2048, "the most tokens a request may ask for (also its default, within the context "
+                                    "window)", at_least=1)
+    max_prompt_tokens: int | None = setting(None, "the longest prompt accepted (default: the target's context "
+                                                  "window less one)", at_least=1)
+    shutdown_timeout: float = setting(30.0, "on SIGTERM / SIGINT: seconds running requests may finish before they "
+                                            "are cancelled")
+    log_level: str = setting("info", "uvicorn's log level (info: one line per request)", choices=LOG_LEVELS)
+    attn: str = setting("sdpa", "target attention implementation", choices=("sdpa", "eager"))
+
+    def __post_init__(self) -> None:  # the limits are checked by serve.app.Limits, before any model loads
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be a port number 1..65535, got {self.port}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
+
+
+def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
+          settings: ServeSettings = ServeSettings(), tree: TreeConfig = TreeConfig(), auto_tree: bool = False,
+          device: str = "auto", dtype: str = "auto", announce: Callable[[str], None] = print) -> None:
+    """Load the target and its heads, then serve them until SIGTERM / SIGINT (`announce` gets the
+    line that says where)."""
+    try:
+        from taps.serve.app import Limits, create_app, run
+    except ImportError as err:
+        raise ValueError(f"taps serve needs the serve extra ({err}); install it with pip install 'taps[serve]'") from None
+    limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
+                    max_prompt_tokens=settings.max_prompt_tokens)
+    engine = Engine.load(target, drafters, variants, tree, auto_tree=auto_tree, device=device, dtype=dtype,
+                         attn_implementation=settings.attn, model_id=settings.served_model_name)
+    announce(f"taps serve: {engine.model_id} on http://{settings.host}:{settings.port}/v1 (drafters: "
+             f"{', '.join(engine.drafters) or 'none'}; default variant: {engine.default.label}); one request decodes "
+             f"at a time, {settings.max_queue} may wait")
+    run(create_app(engine, limits), settings.host, settings.port, settings.shutdown_timeout, settings.log_level)
