@@ -30,6 +30,8 @@ SPECS = {
     "route-step-entropy": dict(strategy="route", signal="entropy", granularity="step"),
     "route-turn-confidence": dict(strategy="route", signal="confidence", granularity="turn"),
     "route-turn-entropy": dict(strategy="route", signal="entropy", granularity="turn"),
+    "route-step-bandit": dict(strategy="route", signal="bandit", granularity="step"),
+    "route-turn-bandit": dict(strategy="route", signal="bandit", granularity="turn"),
     "merge-disjoint": dict(strategy="merge", merge_mode="disjoint"),
     "merge-trie": dict(strategy="merge", merge_mode="trie"),
     "merge-budget": dict(strategy="merge", merge_mode="budget"),
@@ -91,8 +93,10 @@ def test_greedy_lossless(arch, n, spec):
                 assert stats.source == proposer.chosen[step]
         for d in proposer.decisions:
             assert len(d.scores) == n and d.signal == SPECS[spec]["signal"]
-            assert d.chosen == CONFIDENCE.choose(d.scores) if d.signal == "confidence" else \
-                d.chosen == min(range(n), key=lambda i: d.scores[i])
+            assert d.chosen == CONFIDENCE.choose(d.scores) if d.signal in ("confidence", "bandit") else \
+                d.chosen == min(range(n), key=lambda i: d.scores[i])  # the bandit: its highest index wins
+            if d.signal == "bandit":
+                assert len(d.prior) == n and d.context == CONFIDENCE.choose(d.prior)
     if isinstance(proposer, MergedProposer):
         assert [r.step for r in proposer.records] == list(range(len(result.steps)))
         for record, stats in zip(proposer.records, result.steps):

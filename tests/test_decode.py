@@ -349,6 +349,31 @@ def test_sampling_with_a_reduced_vocab_head_matches_target_distribution():
     assert n // 4 < accepted < n  # drafts were accepted and rejected: both paths were exercised
 
 
+@pytest.mark.parametrize("signal", ["confidence", "bandit"])
+def test_sampling_with_a_router_matches_target_distribution(signal):
+    """Two heads routed per step, by confidence or by the learned bandit (its state shared by
+    every decode here, so its choices change as it learns): still the target's distribution."""
+    from taps.propose.factory import build_proposer
+
+    model = sampling_model()
+    routers = []
+
+    def proposer(target):
+        heads = {f"h{seed}": init_head(model.config, seed=seed).bind(target.embed_tokens, target.lm_head)
+                 for seed in (1, 3)}
+        routers.append(build_proposer("route", heads, TreeConfig(16, 2, 6), signal=signal))
+        return routers[-1]
+
+    n = 2000
+    accepted = check_second_token_distribution(model, proposer, [3, 7, 1], n)
+    assert n // 4 < accepted < n  # drafts were accepted and rejected: both paths were exercised
+    (router,) = routers
+    assert {d.chosen for d in router.decisions} == {0, 1} and {d.signal for d in router.decisions} == {signal}
+    if signal == "bandit":
+        # it learned from every step the decoder fed back (the last step of a decode is not)
+        assert sum(arm.pulls for arms in router.state.stats.values() for arm in arms) > n // 4
+
+
 def test_plain_decoder_is_reusable():
     model = cached_model("llama")
     decoder = Decoder(Target(model))

@@ -36,7 +36,8 @@ def setup(tmp_path_factory):
     a = write_untrained(target_dir, root / "math", seed=1)
     b = write_untrained(target_dir, root / "chat", seed=2)
     specs = ["base=baseline", f"math={a}", f"avg=average-0.3:{a},{b}", f"routed=route-confidence-step:{a},{b}",
-             f"turned=route-entropy-turn:{a},{b}", f"merged=merge-trie:{a},{b}", f"budget=merge-budget:{a},{b}"]
+             f"turned=route-entropy-turn:{a},{b}", f"merged=merge-trie:{a},{b}", f"budget=merge-budget:{a},{b}",
+             f"learned=route-bandit-turn:{a},{b}"]
     return target_dir, [parse_variant(s) for s in specs], specs
 
 
@@ -62,6 +63,10 @@ def test_every_variant_every_turn_and_greedy_is_lossless(tmp_path, setup):
     assert all(info["route_chosen"] in (0, 1) and len(info["route_scores"]) == 2
                for r in routed for info in r["step_info"])
     assert all(r["drafters"] == ["math", "chat"] for r in routed)
+    learned = [r for r in records if r["variant"] == "learned"]  # one decision per turn, at its first step
+    assert all(r["step_info"][0]["route_context"] in (0, 1) and len(r["step_info"][0]["route_prior"]) == 2
+               and {info["route_chosen"] for info in r["step_info"]} == {r["step_info"][0]["route_chosen"]}
+               for r in learned if r["step_info"])
     base = [r for r in records if r["variant"] == "base"]
     assert all(set(r["accepted"]) <= {0} and r["tree_confidence_mean"] == [None] * len(r["accepted"]) for r in base)
     merged = [r for r in records if r["variant"] == "merged"]
@@ -70,22 +75,27 @@ def test_every_variant_every_turn_and_greedy_is_lossless(tmp_path, setup):
     assert info["variants"]["avg"]["weights"] == [0.3, 0.7]
 
 
-def test_resume_after_interruption_never_duplicates(tmp_path, setup, monkeypatch):
-    target_dir, variants, _ = setup
-    target = Target.load(target_dir)
+def interrupted_run(monkeypatch, at: int, *args, **kwargs) -> None:
+    """run_eval(*args, **kwargs), interrupted (Ctrl-C) as its `at`-th conversation starts."""
     calls = {"n": 0}
     real = runner.decode_conversation
 
-    def flaky(*args, **kwargs):
+    def flaky(*a, **kw):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == at:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(*a, **kw)
 
     monkeypatch.setattr(runner, "decode_conversation", flaky)
     with pytest.raises(KeyboardInterrupt):
-        run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False)
+        run_eval(*args, **kwargs)
     monkeypatch.setattr(runner, "decode_conversation", real)
+
+
+def test_resume_after_interruption_never_duplicates(tmp_path, setup, monkeypatch):
+    target_dir, variants, _ = setup
+    target = Target.load(target_dir)
+    interrupted_run(monkeypatch, 5, target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False)
     path = tmp_path / "records.jsonl"
     before = path.read_bytes()
     assert len(read_records(path)) == 4 * 2  # 4 conversations of the 2-turn question
@@ -99,6 +109,26 @@ def test_resume_after_interruption_never_duplicates(tmp_path, setup, monkeypatch
     assert len({record_key(r) for r in records}) == len(records) == 4 * 2 * len(variants)
     assert run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path, SETTINGS, progress=False) == 0
     assert path.read_bytes() == after
+
+
+def test_a_resumed_bandit_decides_as_an_uninterrupted_one(tmp_path, setup, monkeypatch):
+    """route-bandit learns across the questions of a run; resumed, it relearns from its records
+    first, so every decision (and record) is what one uninterrupted run writes."""
+    target_dir, variants, _ = setup
+    learned = [v for v in variants if v.name == "learned"]
+    target = Target.load(target_dir)
+    questions = QUESTIONS * 2  # six conversations per temperature: the state matters by the later ones
+    questions = [Question(q.bench, f"{q.question_id}-{i}", q.category, q.turns, q.reference)
+                 for i, q in enumerate(questions)]
+    run_eval(target, str(target_dir), learned, questions, tmp_path / "one", SETTINGS, progress=False)
+    interrupted_run(monkeypatch, 7, target, str(target_dir), learned, questions, tmp_path / "two", SETTINGS,
+                    progress=False)
+    run_eval(target, str(target_dir), learned, questions, tmp_path / "two", SETTINGS, progress=False)
+    one, two = (read_records(tmp_path / d / "records.jsonl") for d in ("one", "two"))
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in two] == \
+           [{k: v for k, v in r.items() if k not in TIMING} for r in one]
+    scores = {tuple(r["step_info"][0]["route_scores"]) for r in one if r["step_info"]}
+    assert len(scores) > 2  # the indices moved as it learned: the comparison is not trivially equal
 
 
 def test_rerun_with_other_settings_is_refused(tmp_path, setup):

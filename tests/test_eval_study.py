@@ -45,7 +45,7 @@ def test_paper_config_parses_and_dry_runs(capsys):
 def test_smollm2_config_parses():
     study = load_study(REPO / "configs" / "smollm2.yaml")
     assert str(study.target) == "smollm2-135m-instruct"
-    assert len([v for v in study.variants if v.name.startswith("hass-")]) == 10 + 2  # paper 7 + 3 extra + 2 lambdas
+    assert len([v for v in study.variants if v.name.startswith("hass-")]) == 11 + 2  # paper 7 + 4 extra + 2 lambdas
     assert any("target: smollm2-135m-instruct exists" in line for line in plan(study))
     recipe = study.drafter_recipe
     assert recipe["regenerate"] and recipe["draft_vocab"] == 8192 and recipe["n_per_domain"] == 2000
@@ -142,7 +142,8 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert names[0] == "baseline" and all(n.startswith("hass-") for n in names[1:])
     said = capsys.readouterr().out
     assert "eagle2 left out" in said and "eagle2-math, eagle2-mixed-small, eagle2-mixed-large" in said
-    assert len(names) == 1 + 7 + 3 + 2  # paper variants, extra merges/routing, two sweep points
+    assert len(names) == 1 + 7 + 4 + 2  # paper variants, extra merges/routing (the bandit too), two sweep points
+    assert "hass-routed-bandit" in names
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
     assert (study.settings.tree.total_tokens, study.settings.tree.depth, study.settings.tree.top_k) == (60, 5, 10)
     small = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16, tree={"total_tokens": 16, "depth": 5, "top_k": 4})

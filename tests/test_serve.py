@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -60,7 +61,8 @@ def fitted_heads(target_dir: Path, out: Path) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def served(target_dir, tmp_path_factory):
     heads = fitted_heads(target_dir, tmp_path_factory.mktemp("heads"))
-    engine = Engine.load(str(target_dir), heads, ["pair=merge-trie:a,b"], TreeConfig(16, 4, 4), device="cpu",
+    engine = Engine.load(str(target_dir), heads, ["pair=merge-trie:a,b", "learned=route-bandit-turn:a,b"],
+                         TreeConfig(16, 4, 4), device="cpu",
                          dtype="float32", model_id=MODEL)
     with serving(create_app(engine, Limits(max_queue=4, max_tokens=64))) as (_, url):
         yield {"url": url, "target": str(target_dir), "heads": dict(heads),
@@ -112,10 +114,14 @@ def test_models_lists_the_target_heads_and_variants(served):
 @pytest.mark.parametrize("variant,cli", [("baseline", []), ("a", ["--drafter", "a"]),
                                          ("route-entropy-turn:a,b", ["--drafter", "a", "--drafter", "b", "--strategy",
                                                                      "route", "--signal", "entropy",
-                                                                     "--granularity", "turn"])])
+                                                                     "--granularity", "turn"]),
+                                         ("route-bandit-turn:x=a,y=b", ["--drafter", "x=a", "--drafter", "y=b",
+                                                                        "--strategy", "route", "--signal", "bandit",
+                                                                        "--granularity", "turn"])])
 def test_greedy_chat_is_taps_generate(served, capsys, variant, cli):
     """The same text, token count and acceptance figures as `taps generate` with the same heads."""
     cli = [served["heads"][x] if x in served["heads"] else x for x in cli]
+    cli = [f"{x[0]}={served['heads'][x[2:]]}" if x[2:] in served["heads"] and x[1] == "=" else x for x in cli]
     expected = generate_cli(capsys, served, "--prompt", PROMPT, *cli)
     reply = chat(served, variant)
     assert reply.choices[0].message.content == expected["text"]
@@ -148,7 +154,8 @@ def test_every_variant_is_lossless_and_reports_its_acceptance(served):
     assert plain.usage.verifier_calls == plain.usage.completion_tokens
     assert "head_step_shares" not in plain.usage.model_extra
     accepted = 0
-    for variant in ["a", "b", "pair", None, "average:a,b", "route:a,b,lookup", "merge-budget:x=a,y=b"]:
+    for variant in ["a", "b", "pair", None, "average:a,b", "route:a,b,lookup", "merge-budget:x=a,y=b", "learned",
+                    "route-bandit:a,b,lookup"]:
         reply = chat(served, variant)
         u = reply.usage
         assert reply.choices[0].message.content == plain.choices[0].message.content, variant
@@ -157,7 +164,7 @@ def test_every_variant_is_lossless_and_reports_its_acceptance(served):
         assert u.accepted_tokens + u.verifier_calls >= u.completion_tokens  # each call: accepted + 1 (cut at the end)
         accepted += u.accepted_tokens
         shares = u.model_extra.get("head_step_shares")
-        if variant in ("pair", None, "route:a,b,lookup", "merge-budget:x=a,y=b"):
+        if variant in ("pair", None, "route:a,b,lookup", "merge-budget:x=a,y=b", "learned", "route-bandit:a,b,lookup"):
             assert shares and sum(shares.values()) == pytest.approx(1.0, abs=1e-3), (variant, shares)
         else:
             assert shares is None
@@ -219,6 +226,36 @@ def test_metrics_count_requests_tokens_and_acceptance(served):
     rejected = before.get("taps_rejected_requests_total", {}).get((("status", "400"),), 0)
     raw(served["url"], "POST", "/v1/chat/completions", b"{")
     assert metrics(served["url"])["taps_rejected_requests_total"][(("status", "400"),)] == rejected + 1
+
+
+def test_the_bandit_learns_across_requests_per_variant_and_logs_each_decision(served, caplog):
+    """route-bandit keeps its state in the server, one per variant: each request's decision
+    (one per turn here) is logged as one JSON line and rewards that variant's statistics only."""
+    caplog.set_level(logging.INFO, logger="taps.serve.routing")
+    plain = chat(served, "baseline").choices[0].message.content
+
+    def learned(variant):
+        pulls = metrics(served["url"]).get("taps_bandit_pulls", {})
+        return sum(n for k, n in pulls.items() if dict(k)["variant"] == variant)
+
+    before, other = learned("learned"), learned("route-bandit-turn:b,a")
+    for prompt in (PROMPT, "Count from one to ten.", "Name three colours."):
+        reply = chat(served, "learned", messages=[{"role": "user", "content": prompt}])
+        if prompt == PROMPT:
+            assert reply.choices[0].message.content == plain  # lossless
+        assert sum(reply.usage.model_extra["head_step_shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "taps.serve.routing"]
+    mine = [d for d in logged if d["variant"] == "learned"]
+    assert len(mine) == 3 and all(d["signal"] == "bandit" and d["step"] == 0 for d in mine)
+    assert all(d["head"] in ("a", "b") and d["context"] in ("a", "b") and len(d["prior"]) == len(d["scores"]) == 2
+               for d in mine)
+    assert learned("learned") == before + 3 and learned("route-bandit-turn:b,a") == other
+    page = metrics(served["url"])
+    decided = {dict(k)["head"]: n for k, n in page["taps_route_decisions_total"].items()
+               if dict(k)["variant"] == "learned"}
+    assert sum(decided.values()) >= 3
+    means = [n for k, n in page["taps_bandit_tokens_per_call"].items() if dict(k)["variant"] == "learned"]
+    assert means and all(1.0 <= n <= 5.0 for n in means)  # tokens per verifier call, tree depth 4
 
 
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

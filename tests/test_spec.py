@@ -21,6 +21,9 @@ def test_forms():
     route = parse_spec("r", "route-entropy-turn:a,b")
     assert (route.strategy, route.signal, route.granularity) == ("route", "entropy", "turn")
     assert parse_spec("r", "route:a,b").signal == "confidence"
+    bandit = parse_spec("r", "route-bandit-turn:a,b")
+    assert (bandit.strategy, bandit.signal, bandit.granularity) == ("route", "bandit", "turn")
+    assert parse_spec("r", "route-bandit:a,b").granularity == "step"
     assert parse_spec("g", "merge-budget:a,b,c").merge_mode == "budget"
     assert parse_spec("g", "merge:a,b").merge_mode == "disjoint"
     assert avg.describe()["weights"] == pytest.approx([0.3, 0.7])
@@ -47,7 +50,7 @@ def test_mistakes_are_named(text, message):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("route-fast:a,b", "expected one of confidence, entropy, step, turn"),
+    ("route-fast:a,b", "expected one of confidence, entropy, bandit, step, turn"),
     ("merge-union:a,b", "expected one of disjoint, trie, budget"),
     ("baseline:a", "baseline takes no drafters"),
     ("single:=b", "drafter '=b' is not [name=]DIR"),

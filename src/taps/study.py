@@ -55,6 +55,8 @@ PAPER_VARIANTS = {
 }
 EXTRA_VARIANTS = {
     "{backbone}-routed-entropy": "route-entropy-turn:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
+    # learned routing (propose/bandit.py): per turn, about one head's cost; it learns across the run's questions
+    "{backbone}-routed-bandit": "route-bandit-turn:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
     "{backbone}-merged-trie": "merge-trie:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
     "{backbone}-merged-budget": "merge-budget:math={drafters}/{backbone}-math,chat={drafters}/{backbone}-chat",
 }

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from taps.eval.records import ENTROPY_BIN_EDGES, ENTROPY_BINS, conversation_key, read_records, record_key
-from taps.propose.spec import SIGNALS
+from taps.propose.spec import TREE_SIGNALS
 
 BASELINE = "baseline"  # the variant name of plain decoding, the reference of every speedup
 AVERAGE = "average"  # the bench name of the paper's Average column (add_benchmark_average)
@@ -265,8 +265,8 @@ def posthoc_decisions(records_by_head: dict[str, Sequence[dict]], signal: str) -
     the first head in dict order. A question where a head logged no node scores it as a root-only
     tree does in the live router (confidence 0, entropy inf); a head with no logged node at all
     was not traced, and is an error."""
-    if signal not in SIGNALS:
-        raise ValueError(f"unknown routing signal {signal!r}; expected one of {', '.join(SIGNALS)}")
+    if signal not in TREE_SIGNALS:
+        raise ValueError(f"unknown routing signal {signal!r}; expected one of {', '.join(TREE_SIGNALS)}")
     if not records_by_head:
         raise ValueError("posthoc_decisions: no heads")
     scores = {head: _head_scores(records, signal) for head, records in records_by_head.items()}

@@ -230,7 +230,7 @@ def table2(run: Run) -> Table:
                                f"{', '.join(variants)}), so no post hoc shares for them.")
         for t in run.temperatures:
             for bench in run.benches:
-                for signal in m.SIGNALS if not lacking else ():
+                for signal in m.TREE_SIGNALS if not lacking else ():
                     by_head = {n: run.select(heads[n], bench, t) for n in names}
                     try:
                         n = len(m.posthoc_decisions(by_head, signal))

@@ -144,12 +144,29 @@ def check_run_info(out: Path, info: dict) -> dict:
             "benches": {**info["benches"], **benches}}
 
 
+def written_records(out: Path):
+    """Every record already written in the results directory: the merged file, then the shards."""
+    for path in [out / RECORDS, *sorted((out / SHARDS).glob("*.jsonl"))]:
+        yield from read_records(path)
+
+
 def finished(out: Path) -> set[tuple]:
     """Conversation keys already written anywhere in the results directory."""
-    done = set()
-    for path in [out / RECORDS, *sorted((out / SHARDS).glob("*.jsonl"))]:
-        done.update(conversation_key(r) for r in read_records(path))
-    return done
+    return {conversation_key(r) for r in written_records(out)}
+
+
+def _resume_learning(pool: HeadPool, variants: Sequence[VariantSpec], settings: EvalSettings, out: Path) -> None:
+    """A route-bandit variant learns across the questions of a run (its state is kept in `pool`);
+    resumed, it first learns again from its records already written, in the order they were
+    written, so it goes on as the interrupted run would have (exactly, for one process; a --jobs
+    worker learns from its own questions, and on resume from every worker's records so far)."""
+    learning = {v.name: pool.bandit(v, settings.tree) for v in variants}
+    learning = {name: state for name, state in learning.items() if state is not None}
+    if not learning:
+        return
+    for record in written_records(out):
+        if record["variant"] in learning:
+            learning[record["variant"]].replay([record])
 
 
 def decode_conversation(target, proposer, question: Question, cfg: DecodeConfig) -> list:
@@ -206,6 +223,8 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
         for v in variants:
             decode_conversation(target, pool.proposer(v, settings.tree, policy), Question("warmup", "0", "", ("Hello",)),
                                 warm)
+    pool.forget()  # the warmup teaches no route-bandit
+    _resume_learning(pool, variants, settings, out)
     bar = _progress(len(units), progress and shard.rank == 0, shard)
     for q, temperature, v in units:
         seed = question_seed(settings.seed, q.bench, q.question_id, temperature)

@@ -5,13 +5,17 @@ a signal or a function.
     baseline plain decoding                               PlainProposer
     single   one drafter                                  SingleProposer
     average  the weighted average of the drafters' heads  SingleProposer(average_heads(...))
-    route    per-step or per-turn routing                 RoutedProposer(signal, granularity)
+    route    per-step or per-turn routing                 RoutedProposer(signal, granularity);
+                                                          signal bandit: BanditRouter(granularity, learned state)
     merge    one verification of the merged trees         MergedProposer(merge mode)
 
 A member is an EAGLE head, or a `LookupSpec` (prompt lookup, propose/lookup.py): a model-free
 drafter that routes and merges like any head (it cannot be weight-averaged). HeadPool loads each
 drafter directory once and builds a fresh proposer per conversation (compositions keep per-turn
-state), averaging each set of heads once.
+state), averaging each set of heads once; it keeps each route-bandit variant's learned state
+(propose/bandit.BanditState) for the proposers of that variant, so learning outlives a
+conversation: `taps serve` (one pool per server) learns across requests, `taps eval` (one pool
+per run, per worker process) across questions.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from taps.config import TreeConfig
 from taps.drafter.average import average_heads
 from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
+from taps.propose.bandit import BANDIT, BanditRouter, BanditState
 from taps.propose.base import PlainProposer, Proposer
 from taps.propose.lookup import LookupProposer
 from taps.propose.merged import MergedProposer
@@ -36,7 +41,7 @@ from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
 Merge = Callable[[Sequence[DraftTree]], DraftTree]
 
 # the implementation of each name of spec.SIGNALS and spec.MERGE_MODES
-ROUTING_SIGNALS: dict[str, RoutingSignal] = {signal.name: signal for signal in (CONFIDENCE, ENTROPY)}
+ROUTING_SIGNALS: dict[str, RoutingSignal] = {signal.name: signal for signal in (CONFIDENCE, ENTROPY, BANDIT)}
 MERGES: dict[str, Callable[[TreeConfig], Merge]] = {
     "disjoint": lambda tree: merge_disjoint,
     "trie": lambda tree: merge_trie,
@@ -80,9 +85,11 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
 
 
 def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig, policy=None,
-            average: Callable[[], EagleHead] | None = None, where: str | None = None) -> Proposer:
+            average: Callable[[], EagleHead] | None = None, where: str | None = None,
+            learned: BanditState | None = None) -> Proposer:
     """The proposer of a checked spec over its loaded members (`heads`, in spec.drafters order);
-    `average`: the averaged head, if the caller keeps one (HeadPool)."""
+    `average`: the averaged head, if the caller keeps one (HeadPool); `learned`: a route-bandit's
+    state, if the caller keeps one (HeadPool; default: a fresh one, learning within this proposer)."""
     if spec.strategy == "baseline":
         return PlainProposer()
     names = list(heads)
@@ -96,6 +103,9 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
     if spec.strategy == "single":
         return _member(heads[names[0]], tree, 0, policy)
     singles = [_member(heads[n], tree, i, policy) for i, n in enumerate(names)]
+    if spec.strategy == "route" and spec.signal == BANDIT.name:
+        return BanditRouter(singles, learned or BanditState(names, tree.depth), per_turn=spec.granularity == "turn",
+                            names=names)
     if spec.strategy == "route":
         return RoutedProposer(singles, signal=ROUTING_SIGNALS[spec.signal], per_turn=spec.granularity == "turn",
                               names=names)
@@ -109,6 +119,7 @@ class HeadPool:
         self.target, self.attn = target, attn_implementation
         self._heads: dict[str, object] = {}
         self._averages: dict[tuple, object] = {}
+        self.learned: dict[tuple, BanditState] = {}  # route-bandit states, by variant (learned_key)
 
     def head(self, path: str):
         key = str(Path(path).resolve())
@@ -130,4 +141,24 @@ class HeadPool:
                 self._averages[key] = average_heads(list(heads.values()), spec.weights)
             return self._averages[key]
 
-        return compose(spec, heads, tree, policy, average=average)
+        return compose(spec, heads, tree, policy, average=average, learned=self.bandit(spec, tree))
+
+    @staticmethod
+    def learned_key(spec: VariantSpec) -> tuple:
+        return (spec.name, spec.granularity, tuple(str(Path(d).resolve()) for _, d in spec.drafters))
+
+    def bandit(self, spec: VariantSpec, tree: TreeConfig) -> BanditState | None:
+        """The learned state of a route-bandit variant (made on first use), None for any other."""
+        if spec.strategy != "route" or spec.signal != BANDIT.name:
+            return None
+        key = self.learned_key(spec)
+        if key not in self.learned:
+            self.learned[key] = BanditState(spec.member_names, tree.depth)
+        return self.learned[key]
+
+    def forget(self, spec: VariantSpec | None = None) -> None:
+        """Drop what a route-bandit variant learned (every variant's: None)."""
+        if spec is None:
+            self.learned.clear()
+        else:
+            self.learned.pop(self.learned_key(spec), None)

@@ -18,7 +18,9 @@ hold the trees of the members that observe this step (the others are None).
 Each decision is logged once, in `decisions` (one RouteDecision per decision: turn, step, chosen
 drafter, every drafter's score); `turn` counts start() calls and `step` indexes that turn's
 DecodeResult.steps, so the log joins the decoder's step stats; `chosen` (the verified drafter at
-every step of the current turn) is read from it. Verification is untouched:
+every step of the current turn) is read from it. A decision is `_decide(trees)`: the signal's
+best score here; the learned router (propose/bandit.BanditRouter, signal `bandit`) overrides it.
+Verification is untouched:
 whichever tree is verified, the output distribution is the target's (SPEC §3).
 """
 
@@ -67,7 +69,16 @@ class RouteDecision:
     step: int  # index into that run's DecodeResult.steps
     chosen: int  # index of the drafter whose tree was verified
     scores: tuple[float, ...]  # every drafter's score under `signal`, in drafter order
-    signal: str  # "confidence" (higher wins) | "entropy" (lower wins)
+    signal: str  # "confidence" (higher wins) | "entropy" (lower wins) | "bandit" (learned index, higher wins)
+    prior: tuple[float, ...] | None = None  # bandit: the confidence prior (expected tokens per verifier call)
+    context: int | None = None  # bandit: the context whose statistics decided (the prior's favourite)
+
+    def info(self) -> dict:
+        """This decision in a step's record (StepStats.info)."""
+        made = {"route_chosen": self.chosen, "route_scores": list(self.scores)}
+        if self.prior is not None:
+            made.update(route_prior=list(self.prior), route_context=self.context)
+        return made
 
 
 class RoutedProposer(ProposerGroup):
@@ -97,10 +108,8 @@ class RoutedProposer(ProposerGroup):
             trees = [self.proposers[i].propose() if i == winner else None for i in range(len(self.proposers))]
         else:
             trees = [proposer.propose() for proposer in self.proposers]
-            scores = tuple(self.signal.score(t) for t in trees)
-            winner = self.signal.choose(scores)
-            self.decisions.append(RouteDecision(turn=self._turn, step=self._step, chosen=winner, scores=scores,
-                                                signal=self.signal.name))
+            self.decisions.append(self._decide(trees))
+            winner = self.decisions[-1].chosen
         self._step += 1
         tree = trees[winner]
         source = torch.where(tree.source >= 0, torch.full_like(tree.source, winner), tree.source)  # [N]
@@ -108,12 +117,18 @@ class RoutedProposer(ProposerGroup):
         parts = tuple(t if i == winner or not self.per_turn else None for i, t in enumerate(trees))
         return replace(tree, source=source, sources=drafter_bits(source), parts=parts)
 
+    def _decide(self, trees: Sequence[DraftTree]) -> RouteDecision:
+        """The decision of this step from every drafter's tree: the signal's best score."""
+        scores = tuple(self.signal.score(t) for t in trees)
+        return RouteDecision(turn=self._turn, step=self._step, chosen=self.signal.choose(scores), scores=scores,
+                             signal=self.signal.name)
+
     def step_info(self) -> dict:
         """The last proposal's routing: chosen drafter, and every score if a decision was made then."""
         made = self.turn_decisions()
-        fresh = bool(made) and made[-1].step == self._step - 1
-        return {"route_chosen": made[-1].chosen if made else None,
-                "route_scores": list(made[-1].scores) if fresh else None}
+        if made and made[-1].step == self._step - 1:
+            return made[-1].info()
+        return {"route_chosen": made[-1].chosen if made else None, "route_scores": None}
 
     def turn_decisions(self, turn: int | None = None) -> list[RouteDecision]:
         """Decisions of one turn (default: the current one)."""

@@ -8,7 +8,7 @@ SPEC (shell-safe, no quoting needed):
     DIR | single:DIR                       one drafter
     average[-W1-W2...]:A,B,...             weight-averaged heads (default equal weights; with two
                                            drafters a single number l means l*A + (1-l)*B)
-    route[-confidence|-entropy][-step|-turn]:A,B,...   routing (default confidence, step)
+    route[-confidence|-entropy|-bandit][-step|-turn]:A,B,...   routing (default confidence, step)
     merge[-disjoint|-trie|-budget]:A,B,...             merged trees (default disjoint)
 where each member A is `[name=]DIR` (the name defaults to the directory's name), or `lookup`:
 prompt lookup, the model-free drafter (propose/lookup.py; it routes and merges, it cannot be
@@ -34,7 +34,10 @@ STRATEGIES = {
     "route": "every drafter drafts a tree; the best-scoring one is verified",
     "merge": "every drafter drafts a tree; their merge is verified in one pass",
 }
-SIGNALS = {"confidence": "mean node confidence, higher wins", "entropy": "mean draft entropy, lower wins"}
+SIGNALS = {"confidence": "mean node confidence, higher wins", "entropy": "mean draft entropy, lower wins",
+           "bandit": "learned: UCB over the tokens per verifier call each head earned on similar requests so far, "
+                     "the confidence score as its prior (propose/bandit.py)"}
+TREE_SIGNALS = ("confidence", "entropy")  # the signals one tree scores (post hoc routing, paper Table 2)
 GRANULARITIES = {"step": "decide at every draft/verify step", "turn": "decide once per turn, from the first trees"}
 MERGE_MODES = {
     "disjoint": "every tree under one shared root, no cross-tree attention",

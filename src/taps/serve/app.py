@@ -319,7 +319,8 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         s = server.scheduler
-        return PlainTextResponse(server.metrics.render(s.waiting, s.running, s.max_queue), media_type=CONTENT_TYPE)
+        page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned())
+        return PlainTextResponse(page, media_type=CONTENT_TYPE)
 
     return app
 

@@ -17,10 +17,18 @@ Streaming. The variant's proposer (for plain decoding, the core's PlainProposer)
 feeds them back (observe), and stops the decode between two steps when asked (a client gone, a
 stop string seen, shutdown): propose() raises `Cancelled`. The tokens of the last step, which the
 decoder does not feed back, come from its result.
+
+Routing. A routed variant's decisions (RoutedProposer.decisions: one per step, or one per turn)
+come back in Outcome.decisions and are logged, one JSON line per decision, on the logger
+`taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
+learns across requests: the HeadPool keeps its state (propose/bandit.BanditState) per variant,
+every request's proposer reads and updates it, and `learned()` reports it for /metrics.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -36,6 +44,7 @@ from taps.tree import DraftTree
 from taps.verify import Acceptance
 
 PLAIN_NAMES = ("baseline", "plain")
+ROUTING_LOG = logging.getLogger("taps.serve.routing")
 
 
 class VariantError(ValueError):
@@ -79,6 +88,7 @@ class Outcome:
     accepted: list[int]  # accepted draft tokens per step
     heads: list[str | None]  # per step: the head whose tree was verified (routing) or accepted deepest
     decode_s: float
+    decisions: list[dict] = field(default_factory=list)  # a routed variant's decisions (decision_record)
 
     @property
     def accepted_tokens(self) -> int:
@@ -244,7 +254,7 @@ class Engine:
             if variant.spec.strategy == "average":
                 self.pool.proposer(variant.spec, self.tree, self.policy)  # the average, computed once
             if len(self._adhoc) >= 256:  # bounded: requests choose the keys
-                self._adhoc.pop(next(iter(self._adhoc)))
+                self.pool.forget(self._adhoc.pop(next(iter(self._adhoc))).spec)  # and what it learned
             self._adhoc[text] = variant
         return self._adhoc[text]
 
@@ -274,12 +284,35 @@ class Engine:
         try:
             result = generate(self.target, tap, prompt, cfg)
         except Cancelled:
-            return Outcome(tap.delivered, len(prompt), "cancelled", 1 + len(tap.steps), [s.accepted for s in tap.steps],
-                           [_step_head(s, names) for s in tap.steps], time.perf_counter() - start)
-        tap.finish(result.tokens)
-        return Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
-                       [s.accepted for s in result.steps], [_step_head(s, names) for s in result.steps],
-                       time.perf_counter() - start)
+            outcome = Outcome(tap.delivered, len(prompt), "cancelled", 1 + len(tap.steps),
+                              [s.accepted for s in tap.steps], [_step_head(s, names) for s in tap.steps],
+                              time.perf_counter() - start)
+        else:
+            tap.finish(result.tokens)
+            outcome = Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
+                              [s.accepted for s in result.steps], [_step_head(s, names) for s in result.steps],
+                              time.perf_counter() - start)
+        outcome.decisions = [decision_record(variant, d) for d in getattr(tap.inner, "decisions", [])]
+        for record in outcome.decisions:
+            ROUTING_LOG.info(json.dumps(record))
+        return outcome
+
+    def learned(self) -> list[dict]:
+        """What every route-bandit variant has learned so far: per variant, context and head, the
+        rewarded pulls and their mean tokens per verifier call."""
+        labels = {HeadPool.learned_key(v.spec): v.label for v in [*self.named.values(), *self._adhoc.values()]}
+        return [{"variant": labels[key], **row} for key, state in list(self.pool.learned.items()) if key in labels
+                for row in state.summary()]
+
+
+def decision_record(variant: Variant, decision) -> dict:
+    """One routing decision (propose/routed.RouteDecision) as the log line and Outcome hold it."""
+    names = variant.members
+    record = {"variant": variant.label, "signal": decision.signal, "step": decision.step,
+              "head": names[decision.chosen], "scores": [round(x, 6) for x in decision.scores]}
+    if decision.prior is not None:
+        record.update(prior=[round(x, 6) for x in decision.prior], context=names[decision.context])
+    return record
 
 
 def _named_spec(text: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@ the other commands do not need them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,12 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
                     max_prompt_tokens=settings.max_prompt_tokens)
     engine = Engine.load(target, drafters, variants, tree, auto_tree=auto_tree, device=device, dtype=dtype,
                          attn_implementation=settings.attn, model_id=settings.served_model_name)
+    log = logging.getLogger("taps.serve")  # the routing decisions (engine.ROUTING_LOG), at --log-level
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(settings.log_level.upper())
     announce(f"taps serve: {engine.model_id} on http://{settings.host}:{settings.port}/v1 (drafters: "
              f"{', '.join(engine.drafters) or 'none'}; default variant: {engine.default.label}); one request decodes "
              f"at a time, {settings.max_queue} may wait")

@@ -4,7 +4,9 @@ Per variant: requests (by endpoint and finish reason), prompt and completion tok
 tokens, verifier calls, decode seconds and tokens/s, the acceptance length of each response (a
 histogram), the accepted length of each step (a histogram) and, per draft position d, the steps
 that accepted at least d draft tokens, so alpha_d = position{d} / position{d-1} (SPEC §5, with
-position{0} = steps); for compositions, steps per head. Server-wide: rejected requests by status,
+position{0} = steps); for compositions, steps per head; for routed variants, decisions per head;
+for route-bandit variants, what they learned (per context and head: rewarded pulls and mean tokens
+per verifier call, read from the engine when /metrics is asked). Server-wide: rejected requests by status,
 end-to-end request seconds, the queue. Written by hand: no client library needed.
 """
 
@@ -83,6 +85,11 @@ class Metrics:
              "steps that accepted at least `position` draft tokens (alpha_d = position d / position d-1)", ()),
             ("head_steps_total", "counter", "composition steps per head (routed: the verified tree's head; "
                                             "merged: the head of the deepest accepted node, none if none)", ()),
+            ("route_decisions_total", "counter", "routing decisions per chosen head (per step or per turn)", ()),
+            ("bandit_pulls", "gauge", "route-bandit: rewarded decisions per context (the head the confidence prior "
+                                      "favoured) and chosen head", ()),
+            ("bandit_tokens_per_call", "gauge", "route-bandit: mean tokens per verifier call a head earned in a "
+                                                "context (its learned reward)", ()),
             ("request_duration_seconds", "histogram", "end to end, queue included", SECONDS_BUCKETS),
             ("queue_waiting", "gauge", "requests waiting for the decoder", ()),
             ("requests_running", "gauge", "requests decoding (at most one per model)", ()),
@@ -120,15 +127,23 @@ class Metrics:
             if variant.composition:
                 for head in outcome.heads:
                     f["head_steps_total"].add({**v, "head": head or "none"})
+            for decision in outcome.decisions:
+                f["route_decisions_total"].add({**v, "head": decision["head"]})
 
     def failed(self, endpoint: str, variant_label: str, seconds: float) -> None:
         with self._lock:
             self._families["requests_total"].add({"endpoint": endpoint, "variant": variant_label, "finish": "error"})
             self._families["request_duration_seconds"].add({"endpoint": endpoint}, seconds)
 
-    def render(self, waiting: int, running: int, limit: int) -> str:
+    def render(self, waiting: int, running: int, limit: int, learned: list[dict] = ()) -> str:
+        """The page; `learned`: the engine's route-bandit states (Engine.learned)."""
         with self._lock:
             f = self._families
+            for row in learned:
+                labels = {"variant": row["variant"], "context": row["context"], "head": row["head"]}
+                f["bandit_pulls"].set(labels, row["pulls"])
+                if row["tokens_per_call"] is not None:
+                    f["bandit_tokens_per_call"].set(labels, row["tokens_per_call"])
             f["queue_waiting"].set({}, waiting)
             f["requests_running"].set({}, running)
             f["queue_limit"].set({}, limit)
