@@ -4,7 +4,8 @@ Not a test. Starts a server in this process (or uses --url), then for each varia
 N chat requests (greedy, mixed GSM8K and MT-Bench first turns, in turn), K at a time, through the
 `openai` client, and prints requests/s, p50 / p95 latency, mean acceptance length and tokens/s
 side by side: plain decoding, every single head named (the best one marked), and the
-compositions named with --variant (e.g. a router).
+compositions named with --variant (default: the confidence router and the bandit router, which
+learns across the run's requests).
 
 Checks, printed and counted (exit code 1 if any fails):
   - no errors, and every request answered exactly once (no lost or duplicated output): the client
@@ -18,7 +19,7 @@ Checks, printed and counted (exit code 1 if any fails):
 
     python bench/serve_load.py [--target smollm2-135m-instruct
         --drafters models/smollm2-135m-instruct/drafters --heads eagle2-math,eagle2-chat
-        --variant route:eagle2-math,eagle2-chat --requests 200 --clients 8 --max-tokens 128
+        --variant route-bandit-turn:eagle2-math,eagle2-chat --requests 200 --clients 8 --max-tokens 128
         --data-dir ../shared/data --dtype auto --threads 1 --tree 60,5,10]
 """
 
@@ -118,7 +119,7 @@ def main() -> int:
                                                                       "run alone (the best is marked)")
     p.add_argument("--variant", action="append", default=None,
                    help="a composition to run too (repeat), in the serve grammar over the head names "
-                        "(default: route over --heads)")
+                        "(default: confidence routing and the learned bandit router over --heads)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -135,8 +136,9 @@ def main() -> int:
     import openai
 
     heads = [h for h in args.heads.split(",") if h]
+    members = ",".join(heads)
     variants = ["baseline", *heads, *(args.variant if args.variant is not None else
-                                      ([f"route:{','.join(heads)}"] if len(heads) > 1 else []))]
+                                      ([f"route:{members}", f"route-bandit-turn:{members}"] if len(heads) > 1 else []))]
     questions = prompts(args.data_dir, args.requests)
     server = stop = None
     if args.url is None:
