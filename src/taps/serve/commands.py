@@ -22,8 +22,8 @@ def register(sub) -> None:
                    help="a head to serve (repeat); requests name it, or compose heads by name, in "
                         "extra_body.taps.variant")
     p.add_argument("--variant", action="append", metavar="[NAME=]SPEC",
-                   help="a named variant over the drafters' names (repeat), e.g. routed=route-entropy-turn:math,chat; "
-                        "the first is the default (default: the one drafter; several: route over all; none: "
+                   help="a named variant over the drafters' names (repeat), e.g. routed=route-entropy-turn:math,chat or "
+                        "learned=route-bandit-turn:math,chat (learns across requests); the first is the default (default: the one drafter; several: route over all; none: "
                         "plain decoding)")
     add_settings(p, ServeSettings)
     add_tree_arguments(p, auto=True)
