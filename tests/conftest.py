@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from taps.target import Target
 from taps.testing import ARCHITECTURES, tiny_model, tiny_tokenizer, write_tiny_target
 
 torch.set_num_threads(1)  # the machines have 2 cores; keep results deterministic and leave one free
@@ -32,6 +33,12 @@ def arch(request):
 def target_dir(tmp_path_factory):
     """A tiny Llama target saved as a Hugging Face directory (safetensors + tokenizer)."""
     return write_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    """target_dir loaded as a float32 Target, once per test module (a module may define its own)."""
+    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 def prompts(n: int, vocab: int = 384, seed: int = 0) -> list[list[int]]:

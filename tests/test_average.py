@@ -13,13 +13,7 @@ from taps.drafter.average import (AverageError, average_checkpoints, average_hea
                                   sweep_checkpoints)
 from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, save_head
 from taps.propose import commands
-from taps.target import Target
 from taps.testing import tiny_config
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 def heads(target, *seeds):

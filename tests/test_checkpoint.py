@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head, write_untrained
-from taps.target import Target
 
 EXPECTED_KEYS = {
     "fc.weight",
@@ -16,11 +15,6 @@ EXPECTED_KEYS = {
     "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
     "layers.0.post_attention_layernorm.weight",
 }
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture

@@ -11,28 +11,18 @@ from safetensors.torch import load_file
 from conftest import hf_greedy
 from taps.cli import main
 from taps.config import DecodeConfig, TreeConfig
-from taps.data.features import FeatureSet, FeatureSettings, FeatureShards, extract_features
+from taps.data.features import FeatureSet, FeatureShards
 from taps.decode import generate
 from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, save_head
 from taps.propose.single import SingleProposer
-from taps.target import Target
 from taps.train.draft_vocab import choose_draft_vocab, loss_token_counts, select_draft_vocab
 from taps.train.losses import head_pairs, pad_batch
-from test_features import write_records
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
+from test_features import make_features
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, target):
-    root = tmp_path_factory.mktemp("vocab-feat")
-    data = write_records(root / "data.jsonl", n=14)
-    extract_features(target, data, root / "f", FeatureSettings(max_len=64, dtype="fp32", records_per_shard=4),
-                     progress=None)
-    return root / "f"
+    return make_features(tmp_path_factory, target, "vocab-feat", n=14, records_per_shard=4)
 
 
 @pytest.fixture(scope="module")

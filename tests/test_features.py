@@ -12,6 +12,15 @@ from taps.target import Target
 from taps.testing import SAMPLE_CORPUS, write_tiny_target
 
 
+def make_features(tmp_path_factory, target, name: str, n: int, records_per_shard: int):
+    """Features of n sample conversations (max_len 64, fp32) in a fresh directory: a fixture body."""
+    root = tmp_path_factory.mktemp(name)
+    data = write_records(root / "data.jsonl", n=n)
+    extract_features(target, data, root / "f", FeatureSettings(max_len=64, dtype="fp32",
+                                                               records_per_shard=records_per_shard), progress=None)
+    return root / "f"
+
+
 def write_records(path, n=20):
     with path.open("w") as f:
         for i in range(n):
@@ -19,11 +28,6 @@ def write_records(path, n=20):
                      {"role": "assistant", "content": " ".join(SAMPLE_CORPUS[(i + k) % len(SAMPLE_CORPUS)] for k in range(1, 2 + i % 3))}]
             f.write(json.dumps({"id": f"r{i}", "source": "math" if i % 2 else "chat", "conversations": convo}) + "\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture

@@ -11,12 +11,6 @@ from taps.cli import main
 from taps.config import TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.profile import profile, time_target
-from taps.target import Target
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 def test_target_costs_cover_every_size_and_leave_the_cache_empty(target):

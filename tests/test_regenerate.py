@@ -10,13 +10,7 @@ from taps.data.regenerate import RegenerateSettings, regenerate
 from taps.decode import ChatSession
 from taps.drafter.checkpoint import init_head
 from taps.propose.single import SingleProposer
-from taps.target import Target
 from test_features import write_records
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
 
 
 def two_turn(path):

@@ -12,28 +12,31 @@ from safetensors.torch import load_file
 
 from conftest import hf_greedy
 from taps.config import DecodeConfig, TreeConfig
-from taps.data.features import FeatureSettings, extract_features
 from taps.decode import generate
 from taps.drafter.checkpoint import load_head
 from taps.propose.single import SingleProposer
-from taps.target import Target
 from taps.train import trainer as trainer_mod
 from taps.train.trainer import TrainConfig, Trainer, TrainingError
-from test_features import write_records
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Target.load(target_dir, device="cpu", dtype="float32")
+from test_features import make_features
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, target):
-    root = tmp_path_factory.mktemp("feat")
-    data = write_records(root / "data.jsonl", n=42)
-    extract_features(target, data, root / "f", FeatureSettings(max_len=64, dtype="fp32", records_per_shard=16),
-                     progress=None)
-    return root / "f"
+    return make_features(tmp_path_factory, target, "feat", n=42, records_per_shard=16)
+
+
+def cut_after_first_checkpoint(monkeypatch, run) -> None:
+    """Run `run` (a training) as if the machine went away right after its first checkpoint."""
+    real_save = Trainer._save
+
+    def save_then_die(self, metrics):
+        real_save(self, metrics)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(Trainer, "_save", real_save)
 
 
 def config(**kw):
@@ -82,16 +85,7 @@ def test_compiled_loss_trains_to_the_eager_weights(tmp_path, target, features):
 
 def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch):
     whole = fit(target, features, tmp_path / "whole", backbone="hass")
-    real_save = Trainer._save
-
-    def save_then_die(self, metrics):
-        real_save(self, metrics)
-        raise KeyboardInterrupt  # the machine goes away right after the first checkpoint
-
-    monkeypatch.setattr(Trainer, "_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        fit(target, features, tmp_path / "cut", backbone="hass")
-    monkeypatch.setattr(Trainer, "_save", real_save)
+    cut_after_first_checkpoint(monkeypatch, lambda: fit(target, features, tmp_path / "cut", backbone="hass"))
     resumed = Trainer(target, features, tmp_path / "cut", config(backbone="hass"))
     assert resumed.resume() and resumed.step == resumed.steps_per_epoch
     first_run_seconds = resumed.train_seconds
@@ -109,16 +103,7 @@ def test_checkpoint_without_a_clock_resumes_timed_from_its_step(tmp_path, target
     head says from which step its time was counted."""
     import json
 
-    real_save = Trainer._save
-
-    def save_then_die(self, metrics):
-        real_save(self, metrics)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Trainer, "_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        fit(target, features, tmp_path / "old", backbone="eagle2")
-    monkeypatch.setattr(Trainer, "_save", real_save)
+    cut_after_first_checkpoint(monkeypatch, lambda: fit(target, features, tmp_path / "old", backbone="eagle2"))
     state_file = next((tmp_path / "old" / "ckpt").glob("step-*/state.json"))
     state = json.loads(state_file.read_text())
     for key in ("train_seconds", "timed_from_step"):
@@ -138,16 +123,8 @@ def test_draft_vocab_is_chosen_from_training_records_and_resume_refuses_another(
     from taps.data.features import FeatureSet
     from taps.train.draft_vocab import loss_token_counts, select_draft_vocab
 
-    real_save = Trainer._save
-
-    def save_then_die(self, metrics):
-        real_save(self, metrics)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Trainer, "_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        fit(target, features, tmp_path / "v", backbone="hass", draft_vocab=40, max_len=60)
-    monkeypatch.setattr(Trainer, "_save", real_save)
+    cut_after_first_checkpoint(monkeypatch, lambda: fit(target, features, tmp_path / "v", backbone="hass", draft_vocab=40,
+                                                        max_len=60))
     trainer = Trainer(target, features, tmp_path / "v", config(backbone="hass", draft_vocab=40, max_len=60))
     counts = loss_token_counts(FeatureSet.from_specs(str(features)), target.vocab_size, trainer.train_idx, max_len=60)
     stops = target.stop_token_ids()

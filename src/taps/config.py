@@ -4,7 +4,7 @@ the CLI shows without loading the pipeline (torch-free)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # --device values (checked by the CLI when parsed and by Target.load): auto, cpu, cuda, cuda:N, mps, xpu
 DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
@@ -20,6 +20,17 @@ def setting(default, help: str = "", *, flag: str | None = None, choices: Sequen
     return field(default=default, metadata={"option": {"help": help or None, "flag": flag, "choices": choices,
                                                         "at_least": at_least, "metavar": metavar}})
 
+
+
+def check_at_least(settings) -> None:
+    """Refuse a settings dataclass whose integer settings fall below their declared `at_least`
+    (the bound the command line already puts on the option), naming the first such field: the
+    same check for a library caller as for the CLI."""
+    for f in fields(settings):
+        low = f.metadata.get("option", {}).get("at_least")
+        value = getattr(settings, f.name)
+        if low is not None and value is not None and value < low:
+            raise ValueError(f"{f.name} must be >= {low}, got {value}")
 
 @dataclass(frozen=True)
 class TreeConfig:

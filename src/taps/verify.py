@@ -122,9 +122,8 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
 def verify_sampling(
     tree: DraftTree, logits: Tensor, sampling: SamplingConfig, gen: torch.Generator
 ) -> Acceptance:
-    """Sampling (T>0) acceptance by recursive rejection; logits [N, V]; `gen` is a CPU generator."""
-    if sampling.greedy:
-        return verify_greedy(tree, logits)
+    """Sampling (T > 0) acceptance by recursive rejection; logits [N, V]; `gen` is a CPU generator.
+    T = 0 is verify_greedy's (verify() dispatches; target_probs refuses T = 0)."""
 
     def choose(node: int, candidates: list[int]) -> tuple[int | None, int | None]:
         p = target_probs(logits[node], sampling)  # [V] float64

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from taps.config import DecodeConfig, SamplingConfig, setting
+from taps.config import DecodeConfig, SamplingConfig, check_at_least, setting
 from taps.data.features import read_conversations
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import load_head
@@ -58,12 +58,7 @@ class RegenerateSettings:
                                                   "longer; they are counted", at_least=1)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        check_at_least(self)
 
 
 def _done_ids(out: Path) -> set[str]:

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from taps.config import check_at_least, setting
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError
 from taps.serve.metrics import CONTENT_TYPE, Metrics
 from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStream, chunk, new_id, parse_chat,
@@ -34,17 +35,13 @@ FINISH_LABEL = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "
 
 @dataclass(frozen=True)
 class Limits:
-    max_queue: int = 16  # requests waiting for the decoder beyond the one decoding
-    max_tokens: int = 2048  # the most a request may ask for; also its default, within the context window
-    max_prompt_tokens: int | None = None  # None: the context window less one token
+    max_queue: int = setting(16, "requests waiting for the decoder beyond the one decoding", at_least=0)
+    max_tokens: int = setting(2048, "the most a request may ask for; also its default, within the context window",
+                              at_least=1)
+    max_prompt_tokens: int | None = setting(None, "None: the context window less one token", at_least=1)
 
     def __post_init__(self) -> None:
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        check_at_least(self)
 
 
 class Scheduler:

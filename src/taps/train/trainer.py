@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from taps.config import setting
+from taps.config import check_at_least, setting
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.identity import MismatchError, check_same
@@ -66,7 +66,7 @@ class TrainConfig:
     lr: float = setting(3e-5)
     batch_size: int = setting(8, "per process", at_least=1)  # global batch = batch_size * processes * grad_accum
     grad_accum: int = setting(1, at_least=1)
-    warmup_steps: int = setting(2000)  # linear warm-up, then linear decay to 0 (the EAGLE schedule)
+    warmup_steps: int = setting(2000, at_least=0)  # linear warm-up, then linear decay to 0 (the EAGLE schedule)
     max_grad_norm: float = 0.5
     max_len: int | None = setting(None, "cut samples to this many tokens", at_least=1)  # EAGLE 2048, HASS 1024
     heldout_frac: float = 0.05
@@ -90,17 +90,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {self.backbone!r}; expected one of {', '.join(BACKBONES)}")
-        for name in ("epochs", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self)  # epochs, batch_size, grad_accum, warmup_steps, max_len, hass_*, draft_vocab, ...
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.noise_width < 0:
             raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise ValueError(f"draft_vocab must be >= 1 (or None for the full vocabulary), got {self.draft_vocab}")
 
     def loss_config(self, noise: bool = True, depths: int | None = None):
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
