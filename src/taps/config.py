@@ -27,10 +27,11 @@ def check_at_least(settings) -> None:
     (the bound the command line already puts on the option), naming the first such field: the
     same check for a library caller as for the CLI."""
     for f in fields(settings):
-        low = f.metadata.get("option", {}).get("at_least")
-        value = getattr(settings, f.name)
+        option = f.metadata.get("option", {})
+        low, value = option.get("at_least"), getattr(settings, f.name)
         if low is not None and value is not None and value < low:
-            raise ValueError(f"{f.name} must be >= {low}, got {value}")
+            flag = option.get("flag") or "--" + f.name.replace("_", "-")
+            raise ValueError(f"{f.name} must be >= {low}, got {value} (option {flag})")
 
 @dataclass(frozen=True)
 class TreeConfig:
