@@ -32,7 +32,6 @@ resumes at the next question (the settings must match), and the tables are print
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ from taps.config import DecodeConfig, SamplingConfig, TreeConfig  # noqa: E402
 from taps.decode import chat_ids, generate  # noqa: E402
 from taps.drafter.checkpoint import load_head  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
-from taps.jsonl import append_jsonl, read_jsonl, write_json_atomic  # noqa: E402
+from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic  # noqa: E402
 from taps.profile import auto_tree_policy  # noqa: E402
 from taps.propose.factory import LookupSpec, build_proposer  # noqa: E402
 from taps.target import Target  # noqa: E402
@@ -88,7 +87,7 @@ def open_records(path: Path, settings: dict, fresh: bool) -> dict[tuple, dict]:
         path.unlink(missing_ok=True)
         head.unlink(missing_ok=True)
     if head.is_file():
-        earlier = json.loads(head.read_text())
+        earlier = read_json(head, "the settings of a decode-speed run")
         if earlier != settings:
             key = next(k for k in sorted(set(earlier) | set(settings)) if earlier.get(k) != settings.get(k))
             print(f"{path}: holds a run with {key}={earlier.get(key)!r}, this one has {settings.get(key)!r}; "
