@@ -339,7 +339,7 @@ def reproduce(config: str | Path, stages: str = ",".join(STAGES), data_dir: str 
         echo(f"taps reproduce: report in {run_study(study, chosen, progress=progress) / 'report.md'}")
 
 
-def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | None = None, per_bench: int = 2,
+def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | None = None, per_bench: int = 1,
              max_new_tokens: int = 96, tree: TreeConfig = TreeConfig(), auto_tree: bool = False, dtype: str = "auto",
              jobs: int = 1, progress: bool = True, echo: Callable[[str], None] = print) -> None:
     """`taps demo`: demo_study, evaluated and reported, then the terminal summary. In the default

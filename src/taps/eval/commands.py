@@ -93,7 +93,8 @@ def register_study(sub) -> None:
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
                                                    "directory, results of an earlier embedded default are moved aside)")
-    d.add_argument("--per-bench", type=positive_int, default=2, help="questions per benchmark")
+    d.add_argument("--per-bench", type=positive_int, default=1,
+                   help="questions per benchmark (default 1: every variant in ~15 min on 2 cores)")
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
     add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
