@@ -20,7 +20,7 @@ Checks, printed and counted (exit code 1 if any fails):
     python bench/serve_load.py [--target smollm2-135m-instruct
         --drafters models/smollm2-135m-instruct/drafters --heads eagle2-math,eagle2-chat
         --variant route-bandit-turn:eagle2-math,eagle2-chat --requests 200 --clients 8 --max-tokens 128
-        --data-dir ../shared/data --dtype auto --threads 1 --tree 60,5,10]
+        --data-dir ../shared/data --dtype auto --threads 1 --tree 60,5,10|auto]
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tree", default="60,5,10", help="total tokens, depth, top-k of the heads' trees (the serve "
-                                                     "default; a CPU verifies 16,5,4 faster)")
+                                                     "default; a CPU verifies 16,5,4 faster), or auto (cost-aware "
+                                                     "trees from this machine's `taps profile`, 60/5/10 the caps)")
     p.add_argument("--url", help="an already running taps serve (its base URL, without /v1) instead of one here")
     args = p.parse_args()
 
@@ -149,9 +150,10 @@ def main() -> int:
         from taps.serve.engine import Engine
 
         torch.set_num_threads(args.threads)
-        tree = TreeConfig(*(int(x) for x in args.tree.split(",")))
-        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], tree=tree, device=args.device,
-                             dtype=args.dtype, model_id="target")
+        auto = args.tree == "auto"
+        tree = TreeConfig() if auto else TreeConfig(*(int(x) for x in args.tree.split(",")))
+        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], tree=tree, auto_tree=auto,
+                             device=args.device, dtype=args.dtype, model_id="target")
         app = create_app(engine, Limits(max_queue=max(args.clients, args.burst_queue), max_tokens=args.max_tokens))
         stop = serving(app)
         _, url = stop.__enter__()
