@@ -13,6 +13,7 @@ from taps.config import DecodeConfig, TreeConfig
 from taps.decode import generate
 from taps.drafter.auto_tree import AutoTree, Calibration, StepCosts
 from taps.drafter.fit import fit_linear_head, greedy_sequences
+from taps.propose.base import StepInfo
 from taps.propose.factory import build_proposer
 from taps.propose.single import SingleProposer
 from taps.target import Target
@@ -72,7 +73,7 @@ def test_decoding_with_auto_trees_is_lossless_and_logs_its_choices(costs):
         assert len(policy.chosen) == len(result.steps)
         for (levels, tokens), step in zip(policy.chosen, result.steps):
             assert 1 <= levels <= caps.depth and 1 <= tokens <= caps.total_tokens
-            assert step.info == {"tree_levels": levels, "tree_tokens": tokens} and step.tree_size <= tokens
+            assert step.info == StepInfo(tree_levels=levels, tree_tokens=tokens) and step.tree_size <= tokens
         if costs is STEEP:
             assert all(tokens == 1 for _, tokens in policy.chosen)  # nothing pays: plain decoding
         assert policy.calibration.seen.sum() > 16 * 4.0 or costs is STEEP  # verified nodes were counted

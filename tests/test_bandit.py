@@ -102,7 +102,7 @@ def test_decoding_learns_to_overrule_an_overconfident_head_and_stays_lossless():
         assert decision.prior[0] > decision.prior[1]
         if k == 0:
             assert decision.chosen == 0 and decision.scores[0] > decision.scores[1]  # the prior, before any reward
-        assert bandit.step_info()["route_chosen"] == decision.chosen
+        assert bandit.step_info().route_chosen == decision.chosen
         bandit_chosen.append(decision.chosen)
         bandit_accepted += sum(s.accepted for s in result.steps)
     assert sum(bandit_chosen) >= 3 and bandit_accepted > confidence_accepted

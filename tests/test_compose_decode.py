@@ -14,7 +14,7 @@ from taps.config import DecodeConfig, TreeConfig
 from taps.decode import generate
 from taps.drafter.checkpoint import init_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
-from taps.propose.base import Proposer
+from taps.propose.base import Proposer, StepInfo
 from taps.propose.factory import build_proposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, RoutedProposer, RoutingSignal
@@ -130,7 +130,7 @@ class NoisyOracle:
         self.seq += acceptance.new_tokens
 
     def step_info(self):
-        return {}
+        return StepInfo()
 
     def propose(self) -> DraftTree:
         true = self.reference[len(self.seq):len(self.seq) + self.depth]
@@ -268,8 +268,8 @@ def test_far_more_confident_head_is_routed(signal, sharp_first):
             assert better
     # the step stats agree: any accepted draft came from the routed head
     assert all(s.source == proposer.chosen[k] for k, s in enumerate(result.steps) if s.accepted)
-    assert proposer.step_info()["route_chosen"] == proposer.chosen[-1]
-    assert proposer.step_info()["route_scores"] == list(proposer.decisions[-1].scores)
+    assert proposer.step_info().route_chosen == proposer.chosen[-1]
+    assert proposer.step_info().route_scores == proposer.decisions[-1].scores
 
 
 def test_turn_routing_decides_once_per_turn():
@@ -282,7 +282,7 @@ def test_turn_routing_decides_once_per_turn():
         assert result.tokens == hf_greedy(model, prompt, 12)
         assert [(d.turn, d.step, d.chosen) for d in proposer.turn_decisions()] == [(turn, 0, 1)]
         assert proposer.chosen == [1] * len(result.steps)
-        assert proposer.step_info()["route_scores"] is None  # no decision at the last step of the turn
+        assert proposer.step_info().route_scores is None  # no decision at the last step of the turn
     assert [d.turn for d in proposer.decisions] == [0, 1]
 
 

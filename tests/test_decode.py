@@ -15,7 +15,7 @@ from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, ContextWindowError, Decoder, generate
 from taps.drafter.checkpoint import init_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
-from taps.propose.base import Proposer
+from taps.propose.base import Proposer, StepInfo
 from taps.propose.single import SingleProposer
 from taps.target import Target
 from taps.testing import tiny_model
@@ -47,7 +47,7 @@ class CallbackProposer:
         self.seq += acceptance.new_tokens
 
     def step_info(self):
-        return {}
+        return StepInfo()
 
 
 def tree_from(parents, tokens):

@@ -18,6 +18,7 @@ from taps.eval.metrics import (acceptance_by_depth, acceptance_length, accepted_
                                posthoc_decisions, posthoc_routing, routing_counts, routing_shares, speedup,
                                summarize, tokens_per_second, turn_routing_shares)
 from taps.eval.records import ENTROPY_BIN_EDGES, ENTROPY_BINS, RecordFormatError, check_record, turn_record
+from taps.propose.base import StepInfo
 from taps.propose.routed import RoutedProposer
 from taps.propose.single import SingleProposer
 from taps.target import Target
@@ -298,6 +299,22 @@ def test_summarize_by_other_fields():
     rows = summarize(records, by=("variant",))
     assert len(rows) == 1 and rows[0]["variant"] == "a" and rows[0]["questions"] == 2
     assert rows[0]["acceptance_length"] == pytest.approx(8 / 4) and rows[0]["speedup"] is None
+
+
+def test_step_info_is_written_as_records_always_held_it():
+    """A record's step_info entry: only the fields its proposer reports, in the order and with the
+    values records written before StepInfo hold, so earlier results directories read and resume alike."""
+    assert StepInfo().as_json() == {}  # plain decoding, prompt lookup, a head with a fixed tree
+    written = [
+        (StepInfo(route_chosen=1, route_scores=(0.5, 0.25)), '{"route_chosen": 1, "route_scores": [0.5, 0.25]}'),
+        (StepInfo(route_chosen=0), '{"route_chosen": 0, "route_scores": null}'),  # per turn, after the decision
+        (StepInfo(route_chosen=1, route_scores=(2.0, 3.0), route_prior=(1.5, 1.25), route_context=0),
+         '{"route_chosen": 1, "route_scores": [2.0, 3.0], "route_prior": [1.5, 1.25], "route_context": 0}'),
+        (StepInfo(merge_input_sizes=(5, 7), merge_size=11), '{"merge_input_sizes": [5, 7], "merge_size": 11}'),
+        (StepInfo(tree_levels=3, tree_tokens=12), '{"tree_levels": 3, "tree_tokens": 12}'),
+    ]
+    for info, line in written:
+        assert json.dumps(info.as_json()) == line
 
 
 # ---- real decodes --------------------------------------------------------------------------------

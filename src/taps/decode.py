@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from taps.config import DecodeConfig
-from taps.propose.base import PlainProposer, Proposer
+from taps.propose.base import PlainProposer, Proposer, StepInfo
 from taps.stopwatch import Stopwatch
 from taps.target import Target
 from taps.trace import StepTrace, step_trace
@@ -43,12 +43,12 @@ class StepStats:
     target_s: float  # the target's tree forward
     other_s: float  # verification, commit, bookkeeping
     sources: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
-    info: dict = field(default_factory=dict)  # the proposer's own record of this step (e.g. routing scores)
+    info: StepInfo = field(default_factory=StepInfo)  # the proposer's own record of this step (e.g. routing scores)
     trace: StepTrace | None = None  # node confidences and entropies, when DecodeConfig.trace is set
 
     @classmethod
     def of(cls, tree: DraftTree, acc: Acceptance, emitted: int, draft_s: float, target_s: float, other_s: float,
-           info: dict, trace: StepTrace | None) -> "StepStats":
+           info: StepInfo, trace: StepTrace | None) -> "StepStats":
         """The record of one verified tree: provenance from the deepest accepted node's drafters."""
         deepest, drafted = int(acc.nodes[-1]), acc.accepted > 0
         return cls(accepted=acc.accepted, emitted=emitted, tree_size=tree.size,

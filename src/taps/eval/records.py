@@ -89,7 +89,7 @@ def turn_record(result: DecodeResult, *, variant: str, bench: str, question_id: 
         per_step["tree_size"].append(s.tree_size)
         per_step["source"].append(s.source)
         per_step["sources"].append(s.sources)
-        per_step["step_info"].append(s.info or {})
+        per_step["step_info"].append(s.info.as_json())
         if t is None:
             for k in TRACED:
                 per_step[k].append(None)

@@ -12,20 +12,52 @@ do not change. Contract (batch size 1):
   proposer keeps no tree between calls: what it learns from its own tree (a policy's
   calibration, lookup's acceptance rate, a merge's accepted drafters) it reads from `tree`, and a
   composition finds its members' trees in `tree.parts`.
-- step_info() -> dict: the proposer's record of the tree it just proposed (routing scores, merge
-  sizes, auto-tree sizes; {} if none); decode.py stores it in that step's StepStats.info.
+- step_info() -> StepInfo: the proposer's record of the tree it just proposed (routing scores,
+  merge sizes, auto-tree sizes; StepInfo() if none); decode.py stores it in that step's
+  StepStats.info.
 Plain decoding is PlainProposer: a root-only tree each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
 from taps.tree import DraftTree
 from taps.verify import Acceptance
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A proposer's record of one proposed tree: each proposer fills its own fields, the others stay
+    None. Typed here, in the core, so the decoder, the results records and the server read one shape.
+    as_json() is the `step_info` entry of a results record and of `taps generate --json`: only the
+    fields the proposer reports, in this order (records written before StepInfo read the same)."""
+
+    route_chosen: int | None = None  # routing: the drafter whose tree was verified
+    route_scores: tuple[float, ...] | None = None  # routing: every drafter's score (None: no decision this step)
+    route_prior: tuple[float, ...] | None = None  # bandit: the confidence prior of the decision
+    route_context: int | None = None  # bandit: the context whose statistics decided
+    merge_input_sizes: tuple[int, ...] | None = None  # merging: nodes (root included) of each drafter's tree
+    merge_size: int | None = None  # merging: nodes of the merged tree, before the decoder's depth trim
+    tree_levels: int | None = None  # auto tree: the draft levels its policy chose
+    tree_tokens: int | None = None  # auto tree: the tree tokens its policy chose
+
+    def as_json(self) -> dict:
+        out: dict = {}
+        if self.route_chosen is not None:
+            out.update(route_chosen=self.route_chosen,
+                       route_scores=None if self.route_scores is None else list(self.route_scores))
+        if self.route_prior is not None:
+            out.update(route_prior=list(self.route_prior), route_context=self.route_context)
+        if self.merge_size is not None:
+            out.update(merge_input_sizes=list(self.merge_input_sizes), merge_size=self.merge_size)
+        if self.tree_levels is not None:
+            out.update(tree_levels=self.tree_levels, tree_tokens=self.tree_tokens)
+        return out
 
 
 @runtime_checkable
@@ -36,7 +68,7 @@ class Proposer(Protocol):
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None: ...
 
-    def step_info(self) -> dict: ...
+    def step_info(self) -> StepInfo: ...
 
 
 class PlainProposer:
@@ -57,8 +89,8 @@ class PlainProposer:
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         self._pending = acceptance.bonus
 
-    def step_info(self) -> dict:
-        return {}
+    def step_info(self) -> StepInfo:
+        return StepInfo()
 
 
 class ProposerGroup:

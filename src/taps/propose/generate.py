@@ -21,6 +21,7 @@ class Generated:
     def as_json(self) -> dict:
         """What `taps generate --json` prints."""
         r = self.result
+        infos = [s.info.as_json() for s in r.steps]
         return {
             "text": self.text,
             "token_ids": r.tokens,
@@ -31,7 +32,7 @@ class Generated:
             "acceptance_length": r.acceptance_length,
             "accepted_per_step": [s.accepted for s in r.steps],
             "drafter_per_step": [s.source for s in r.steps],
-            "step_info": [s.info for s in r.steps] if any(s.info for s in r.steps) else None,
+            "step_info": infos if any(infos) else None,
             "tokens_per_second": r.tokens_per_second,
             "stop_reason": r.stop_reason,
             "time_split_s": r.time_split(),

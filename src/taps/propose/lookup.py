@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from taps.config import TreeConfig
+from taps.propose.base import StepInfo
 from taps.tree import DraftTree
 from taps.verify import Acceptance
 
@@ -115,8 +116,8 @@ class LookupProposer:
             self.tried += matched + int(rejected)
         self._append(emitted)
 
-    def step_info(self) -> dict:
-        return {}
+    def step_info(self) -> StepInfo:
+        return StepInfo()
 
 
 def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:

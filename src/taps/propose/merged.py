@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from taps.propose.base import Proposer, ProposerGroup
+from taps.propose.base import Proposer, ProposerGroup, StepInfo
 from taps.tree import DraftTree, merge_disjoint
 from taps.verify import Acceptance
 
@@ -79,7 +79,7 @@ class MergedProposer(ProposerGroup):
         self.records[-1].accepted_sources = accepted_path_sources(tree, acceptance.tokens[1:].tolist())
         super().observe(tree, acceptance, features)
 
-    def step_info(self) -> dict:
-        last = self.records[-1] if self.records else None
-        return {"merge_input_sizes": list(last.input_sizes) if last else None,
-                "merge_size": last.merged_size if last else None}
+    def step_info(self) -> StepInfo:
+        if not self.records:
+            return StepInfo()
+        return StepInfo(merge_input_sizes=self.records[-1].input_sizes, merge_size=self.records[-1].merged_size)

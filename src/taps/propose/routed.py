@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from taps.propose.base import Proposer, ProposerGroup
+from taps.propose.base import Proposer, ProposerGroup, StepInfo
 from taps.tree import DraftTree, drafter_bits
 
 
@@ -73,12 +73,10 @@ class RouteDecision:
     prior: tuple[float, ...] | None = None  # bandit: the confidence prior (expected tokens per verifier call)
     context: int | None = None  # bandit: the context whose statistics decided (the prior's favourite)
 
-    def info(self) -> dict:
+    def info(self) -> StepInfo:
         """This decision in a step's record (StepStats.info)."""
-        made = {"route_chosen": self.chosen, "route_scores": list(self.scores)}
-        if self.prior is not None:
-            made.update(route_prior=list(self.prior), route_context=self.context)
-        return made
+        return StepInfo(route_chosen=self.chosen, route_scores=self.scores, route_prior=self.prior,
+                        route_context=self.context)
 
 
 class RoutedProposer(ProposerGroup):
@@ -123,12 +121,12 @@ class RoutedProposer(ProposerGroup):
         return RouteDecision(turn=self._turn, step=self._step, chosen=self.signal.choose(scores), scores=scores,
                              signal=self.signal.name)
 
-    def step_info(self) -> dict:
+    def step_info(self) -> StepInfo:
         """The last proposal's routing: chosen drafter, and every score if a decision was made then."""
         made = self.turn_decisions()
         if made and made[-1].step == self._step - 1:
             return made[-1].info()
-        return {"route_chosen": made[-1].chosen if made else None, "route_scores": None}
+        return StepInfo(route_chosen=made[-1].chosen if made else None)
 
     def turn_decisions(self, turn: int | None = None) -> list[RouteDecision]:
         """Decisions of one turn (default: the current one)."""

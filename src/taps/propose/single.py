@@ -10,6 +10,7 @@ from taps.config import TreeConfig
 from taps.drafter.context import HeadContext, consume
 from taps.drafter.expand import expand_tree
 from taps.drafter.head import EagleHead
+from taps.propose.base import StepInfo
 from taps.tree import DraftTree
 from taps.verify import Acceptance
 
@@ -40,12 +41,12 @@ class SingleProposer:
         next_tokens = torch.tensor(acceptance.new_tokens, dtype=torch.long, device=features.device)  # [A+1]
         self._ctx = consume(self.head, self._ctx, next_tokens, features)
 
-    def step_info(self) -> dict:
+    def step_info(self) -> StepInfo:
         """With a policy: the levels drafted and tree tokens it chose for the last tree."""
         if self.policy is None or not self.policy.chosen:
-            return {}
+            return StepInfo()
         levels, tokens = self.policy.chosen[-1]
-        return {"tree_levels": levels, "tree_tokens": tokens}
+        return StepInfo(tree_levels=levels, tree_tokens=tokens)
 
 
 def path_nodes(tree: DraftTree, tokens: list[int]) -> Tensor:

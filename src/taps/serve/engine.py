@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import chat_ids, generate
 from taps.profile import auto_tree_policy
-from taps.propose.base import Proposer
+from taps.propose.base import Proposer, StepInfo
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
 from taps.target import Target
@@ -103,13 +103,13 @@ class Outcome:
 class _Step:
     accepted: int
     source: int
-    info: dict = field(default_factory=dict)
+    info: StepInfo = field(default_factory=StepInfo)
 
 
 def _step_head(step, names: Sequence[str]) -> str | None:
     """The head a step belongs to: the routed one if the proposer routed, else the drafter of the
     deepest accepted node (None when no draft token was accepted)."""
-    index = step.info.get("route_chosen") if step.info else None
+    index = step.info.route_chosen
     if index is None:
         index = step.source
     return names[index] if 0 <= index < len(names) else None
@@ -122,7 +122,7 @@ class _Tap:
         self.inner, self.on_tokens, self.cancelled = inner, on_tokens, cancelled
         self.delivered: list[int] = []
         self.steps: list[_Step] = []
-        self._info: dict = {}
+        self._info = StepInfo()
 
     def _emit(self, tokens: list[int]) -> None:
         self.delivered += tokens
@@ -139,7 +139,7 @@ class _Tap:
         self._info = self.inner.step_info()
         return tree
 
-    def step_info(self) -> dict:
+    def step_info(self) -> StepInfo:
         return self._info
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features) -> None:
