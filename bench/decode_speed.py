@@ -142,7 +142,7 @@ def main() -> None:
 
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
     drafters = Path(args.drafters)
-    heads = {name: load_head(drafters / name, target)[0] for name in dict.fromkeys([args.head, args.math, args.chat])}
+    heads = {name: load_head(drafters / name, target) for name in dict.fromkeys([args.head, args.math, args.chat])}
     policy = auto_tree_policy(target, heads, AUTO_CAPS)
     head, math_head, chat_head = heads[args.head], heads[args.math], heads[args.chat]
     pair = {"math": math_head, "chat": chat_head}

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from taps.drafter.average import (AverageError, average_checkpoints, average_heads, check_weights, lambda_sweep,
                                   sweep_checkpoints)
-from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, save_head
+from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, read_config, save_head
 from taps.propose import commands
 from taps.testing import tiny_config
 
@@ -94,9 +94,10 @@ def save(target, path, seed, data, fingerprint="target"):
 def test_average_checkpoints_round_trip(tmp_path, target):
     pa, pb = save(target, tmp_path / "math", 1, "math"), save(target, tmp_path / "chat", 2, "chat")
     out = average_checkpoints([pa, pb], tmp_path / "avg", [0.25, 0.75], names=["math", "chat"])
-    loaded, info = load_head(out, target)  # strict load: keys, shapes, fingerprint
-    a, _ = load_head(pa, target)
-    b, _ = load_head(pb, target)
+    loaded = load_head(out, target)  # strict load: keys, shapes, fingerprint
+    _, info = read_config(out)
+    a = load_head(pa, target)
+    b = load_head(pb, target)
     in_memory = average_heads([a, b], [0.25, 0.75])
     for key, value in in_memory.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
@@ -132,7 +133,7 @@ def test_sweep_checkpoints(tmp_path, target):
     pa, pb = save(target, tmp_path / "a", 1, "math"), save(target, tmp_path / "b", 2, "chat")
     outs = sweep_checkpoints(pa, pb, tmp_path / "sweep", [0.1, 0.5])
     assert [o.name for o in outs] == ["lambda-0.1", "lambda-0.5"]
-    head, _ = load_head(outs[0], target)
+    head = load_head(outs[0], target)
     a, b = load_file(pa / "model.safetensors"), load_file(pb / "model.safetensors")
     assert torch.equal(head.fc.weight, expected([a, b], [0.1, 0.9], "fc.weight"))
 
@@ -150,7 +151,8 @@ def test_average_command(tmp_path, target, capsys):
     assert run_cli(["average", "--drafter", f"math={pa}", "--drafter", f"chat={pb}", "--weight", "0.4",
                     "--weight", "0.6", "--out", str(tmp_path / "avg")]) == 0
     assert "0.4*math + 0.6*chat" in capsys.readouterr().out
-    _, info = load_head(tmp_path / "avg", target)
+    load_head(tmp_path / "avg", target)
+    _, info = read_config(tmp_path / "avg")
     assert [s["name"] for s in info.extra["averaged_from"]] == ["math", "chat"]
     assert run_cli(["average", "--drafter", str(pa), "--drafter", str(pb), "--sweep", "--lambdas", "0.3,0.7",
                     "--out", str(tmp_path / "sweep")]) == 0
@@ -213,14 +215,15 @@ def test_average_checkpoints_with_draft_vocabularies(tmp_path, target):
                    tmp_path / "b", info)
     pc = save(target, tmp_path / "c", 3, "full")
     out = average_checkpoints([pa, pb], tmp_path / "ab", [0.5, 0.5])
-    loaded, merged_info = load_head(out, target)  # strict: d2t / t2d consistent
+    loaded = load_head(out, target)  # strict: d2t / t2d consistent
+    _, merged_info = read_config(out)
     assert loaded.draft_ids.tolist() == [0, 7, 8, 100, 383]
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 5
     assert "draft_vocab_coverage" not in merged_info.extra  # the members' coverages do not carry over
-    a, b = load_head(pa, target)[0], load_head(pb, target)[0]
+    a, b = load_head(pa, target), load_head(pb, target)
     for key, value in average_heads([a, b]).state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     full = average_checkpoints([pa, pc], tmp_path / "ac")
-    assert load_head(full, target)[0].draft_ids is None
+    assert load_head(full, target).draft_ids is None
     assert "draft_vocab_size" not in json.loads((full / "config.json").read_text())
     assert set(load_file(full / "model.safetensors")).isdisjoint({"d2t", "t2d"})

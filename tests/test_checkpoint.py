@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head, write_untrained
+from taps.drafter.checkpoint import (CheckpointError, DrafterInfo, init_head, load_head, read_config, save_head,
+                                     write_untrained)
 
 EXPECTED_KEYS = {
     "fc.weight",
@@ -42,7 +43,8 @@ def test_layout_matches_eagle(saved, target):
 
 def test_round_trip_and_shared_embedding(saved, target):
     path, head = saved
-    loaded, info = load_head(path, target)
+    loaded = load_head(path, target)
+    _, info = read_config(path)
     assert info.training_data == "unit-test"
     for key, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
@@ -122,13 +124,14 @@ def test_foreign_embedding_ignored_and_fc_bias_export(tmp_path, saved, target):
                     export_fc_bias=True)
     tensors = load_file(out / "model.safetensors")
     assert torch.equal(tensors["fc.bias"], torch.zeros(64))
-    loaded, _ = load_head(out, target)
+    loaded = load_head(out, target)
     assert loaded.fc.bias is not None
 
 
 def test_write_untrained_for_target_dir(tmp_path, target_dir, target):
     out = write_untrained(target_dir, tmp_path / "init", seed=7)
-    head, info = load_head(out, target)
+    head = load_head(out, target)
+    _, info = read_config(out)
     assert info.backbone == "untrained" and info.tokenizer_fingerprint == target.fingerprint()
     assert torch.equal(head.fc.weight, init_head(target.model.config, seed=7).fc.weight)
 
@@ -150,7 +153,8 @@ def test_foreign_eagle_checkpoint_loads(tmp_path, saved, target):
     tensors["embed_tokens.weight"] = torch.zeros(target.vocab_size, 64)
     save_file(tensors, foreign / "model.safetensors")
     with pytest.warns(UserWarning, match="no taps.tokenizer_fingerprint"):
-        loaded, info = load_head(foreign, target)
+        loaded = load_head(foreign, target)
+        _, info = read_config(foreign)
     assert info.tokenizer_fingerprint is None
     assert torch.equal(loaded.fc.weight, head.fc.weight)
     assert loaded.config.rope_parameters["rope_theta"] == 10000.0
@@ -210,7 +214,8 @@ def test_draft_vocab_round_trip_in_sglang_form(saved_reduced, target):
     config = json.loads((path / "config.json").read_text())
     assert config["draft_vocab_size"] == n and config["vocab_size"] == target.vocab_size
     assert config["taps"]["draft_vocab_coverage"] == 0.75
-    loaded, info = load_head(path, target)
+    loaded = load_head(path, target)
+    _, info = read_config(path)
     assert torch.equal(loaded.draft_ids, DRAFT_IDS) and info.extra["draft_vocab_coverage"] == 0.75
     for key, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key

@@ -13,7 +13,7 @@ from taps.cli import main
 from taps.config import DecodeConfig, TreeConfig
 from taps.data.features import FeatureSet, FeatureShards
 from taps.decode import generate
-from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, save_head
+from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, read_config, save_head
 from taps.propose.single import SingleProposer
 from taps.train.draft_vocab import choose_draft_vocab, loss_token_counts, select_draft_vocab
 from taps.train.losses import head_pairs, pad_batch
@@ -86,7 +86,8 @@ def test_reduce_vocab_command(tmp_path, target, features, drafter, capsys):
                  "--size", "24", "--out", str(out)]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"wrote {out}: a draft vocabulary of 24 tokens covers ") and "assistant tokens" in line
-    head, info = load_head(out, target)  # strict
+    head = load_head(out, target)  # strict
+    _, info = read_config(out)
     both = FeatureSet.from_specs([str(features), f"{features}:3"])
     counts = loss_token_counts(both, 384)
     assert torch.equal(head.draft_ids, select_draft_vocab(counts, 24))
@@ -103,7 +104,7 @@ def test_reduce_vocab_command(tmp_path, target, features, drafter, capsys):
     # a reduced head reduced again gets the new vocabulary
     assert main(["drafter", "reduce-vocab", "--drafter", str(out), "--features", str(features), "--size", "5",
                  "--out", str(tmp_path / "again")]) == 0
-    assert load_head(tmp_path / "again", target)[0].draft_ids.numel() == 5
+    assert load_head(tmp_path / "again", target).draft_ids.numel() == 5
 
 
 @pytest.mark.parametrize("case, message", [

@@ -12,7 +12,7 @@ import torch
 
 from taps.config import DecodeConfig, TreeConfig
 from taps.decode import chat_ids, generate
-from taps.drafter.checkpoint import load_head, weights_digest
+from taps.drafter.checkpoint import load_head, read_config, weights_digest
 from taps.propose.single import SingleProposer
 from taps.target import Target
 
@@ -54,7 +54,8 @@ def test_every_head_is_shipped_and_loads_strictly(target):
     assert shipped == NAMES
     assert sorted(json.loads((DEFAULT / "drafters" / "drafters.json").read_text())["drafters"]) == NAMES
     for name in NAMES:
-        head, info = load_head(DEFAULT / "drafters" / name, target)
+        head = load_head(DEFAULT / "drafters" / name, target)
+        _, info = read_config(DEFAULT / "drafters" / name)
         assert info.backbone == name.split("-")[0] and info.training_data == name.split("-", 1)[1]
         weights = DEFAULT / "drafters" / name / "model.safetensors"
         from safetensors import safe_open
@@ -74,7 +75,7 @@ def test_the_acceptance_table_was_measured_on_these_weights():
 @pytest.mark.slow
 def test_greedy_speculative_equals_plain_with_every_head(target):
     cfg = DecodeConfig(max_new_tokens=24, stop_token_ids=target.stop_token_ids())
-    heads = {name: load_head(DEFAULT / "drafters" / name, target)[0] for name in NAMES}
+    heads = {name: load_head(DEFAULT / "drafters" / name, target) for name in NAMES}
     accepted = {name: 0 for name in NAMES}
     for i, prompt in enumerate(PROMPTS):
         ids = chat_ids(target.tokenizer, [{"role": "user", "content": prompt}])

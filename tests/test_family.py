@@ -12,7 +12,7 @@ from taps.target import Target
 
 
 def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
-    from taps.drafter.checkpoint import load_head
+    from taps.drafter.checkpoint import load_head, read_config
     from taps.train.family import DrafterRecipe, build_drafters
 
     recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
@@ -22,7 +22,8 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
     assert set(summary["drafters"]) == {f"{b}-{d}" for b in ("eagle2", "hass")
                                          for d in ("chat", "math", "mixed-small", "mixed-large")}
     for name, info in summary["drafters"].items():
-        head, meta = load_head(tmp_path / "drafters" / name, target)
+        head = load_head(tmp_path / "drafters" / name, target)
+        _, meta = read_config(tmp_path / "drafters" / name)
         assert meta.backbone == name.split("-")[0] and meta.training_data == name.split("-", 1)[1]
         assert sorted(p.name for p in (tmp_path / "drafters" / name).iterdir()) == \
             ["config.json", "metrics.jsonl", "model.safetensors"]
@@ -141,7 +142,7 @@ def test_only_the_domains_the_pending_heads_need_are_prepared(tmp_path, data_dir
 
 
 def test_shipped_heads_are_16_bit_and_load_strictly(tmp_path, data_dir, target_dir):
-    from taps.drafter.checkpoint import load_head
+    from taps.drafter.checkpoint import load_head, read_config
     from taps.train.family import DrafterRecipe, build_drafters, ship_heads
 
     recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
@@ -155,7 +156,8 @@ def test_shipped_heads_are_16_bit_and_load_strictly(tmp_path, data_dir, target_d
     assert all(torch.equal(weights[k], full[k].to(torch.bfloat16)) for k in full)
     assert json.loads((tmp_path / "ship" / "drafters.json").read_text())["shipped_dtype"] == "bfloat16"
     target = Target.load(target_dir, device="cpu", dtype="float32")
-    head, info = load_head(tmp_path / "ship" / "eagle2-math", target)
+    head = load_head(tmp_path / "ship" / "eagle2-math", target)
+    _, info = read_config(tmp_path / "ship" / "eagle2-math")
     assert info.backbone == "eagle2" and head.fc.weight.dtype == torch.float32
 
 

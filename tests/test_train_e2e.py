@@ -12,7 +12,7 @@ from taps.config import DecodeConfig, TreeConfig
 from taps.data.features import FeatureSettings, extract_features
 from taps.data.regenerate import RegenerateSettings, regenerate
 from taps.decode import chat_ids, generate
-from taps.drafter.checkpoint import init_head, load_head
+from taps.drafter.checkpoint import init_head, load_head, read_config
 from taps.propose.single import SingleProposer
 from taps.target import Target
 from taps.train.trainer import TrainConfig, Trainer
@@ -51,7 +51,7 @@ def test_trained_head_beats_untrained(setup, backbone):
     root, target, held_out = setup
     cfg = TrainConfig(backbone=backbone, epochs=8, batch_size=8, lr=3e-3, warmup_steps=5, log_every=50, seed=0)
     Trainer(target, root / "feat", root / backbone, cfg).fit(progress=False)
-    trained, _ = load_head(root / backbone, target)
+    trained = load_head(root / backbone, target)
     untrained = init_head(target.model.config, seed=0).bind(target.embed_tokens, target.lm_head)
     tau_untrained, tau_trained = mean_acceptance(target, untrained, held_out), mean_acceptance(target, trained, held_out)
     print(f"{backbone}: acceptance length untrained {tau_untrained:.2f}, trained {tau_trained:.2f}")
@@ -86,7 +86,8 @@ def test_draft_vocab_training_end_to_end(setup, target_dir):
             "--out", str(out), "--epochs", "8", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "5",
             "--seed", "0", "--draft-vocab", "16", "--cpu"]
     assert main(args) == 0
-    head, info = load_head(out, target)  # strict: draft_vocab_size, d2t and t2d agree
+    head = load_head(out, target)  # strict: draft_vocab_size, d2t and t2d agree
+    _, info = read_config(out)
     assert head.draft_ids.numel() == 16 and set(target.stop_token_ids()) <= set(head.draft_ids.tolist())
     assert info.extra["train_config"]["draft_vocab"] == 16
     assert 0.5 < info.extra["draft_vocab_coverage"] < 1.0  # 30 distinct tokens are trained on

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import hf_greedy
 from taps.config import DecodeConfig, TreeConfig
 from taps.decode import generate
-from taps.drafter.checkpoint import load_head
+from taps.drafter.checkpoint import load_head, read_config
 from taps.propose.single import SingleProposer
 from taps.train import trainer as trainer_mod
 from taps.train.trainer import TrainConfig, Trainer, TrainingError
@@ -64,7 +64,8 @@ def test_train_end_to_end(tmp_path, target, features, backbone):
     steps = [line for line in lines if "tokens_per_s" in line]
     assert steps and all(s["loss"] > 0 for s in steps)
     assert steps[-1]["loss"] < steps[0]["loss"]  # it learns something on a tiny set
-    head, info = load_head(out, target)  # the strict loader
+    head = load_head(out, target)  # the strict loader
+    _, info = read_config(out)
     assert info.backbone == backbone and info.extra["train_config"]["epochs"] == 2
     proposer = SingleProposer(head, TreeConfig(20, 3, 4))
     for prompt in ([5, 9, 13], [100, 4, 250, 7, 1]):
@@ -80,7 +81,8 @@ def test_compiled_loss_trains_to_the_eager_weights(tmp_path, target, features):
     out = fit(target, features, tmp_path / "compiled", backbone="hass", compile_loss=True)
     for name, w in weights(out).items():
         assert torch.allclose(w, eager[name], rtol=1e-3, atol=1e-5), name
-    assert load_head(out, target)[1].extra["train_config"]["compile_loss"] is True
+    load_head(out, target)
+    assert read_config(out)[1].extra["train_config"]["compile_loss"] is True
 
 
 def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch):
@@ -94,7 +96,8 @@ def test_resume_reaches_the_same_weights(tmp_path, target, features, monkeypatch
     a, b = weights(whole), weights(tmp_path / "cut")
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    _, info = load_head(tmp_path / "cut", target)
+    load_head(tmp_path / "cut", target)
+    _, info = read_config(tmp_path / "cut")
     assert info.extra["train_seconds"] >= round(first_run_seconds, 1) and info.extra["timed_from_step"] == 0
 
 
@@ -112,7 +115,8 @@ def test_checkpoint_without_a_clock_resumes_timed_from_its_step(tmp_path, target
     resumed = Trainer(target, features, tmp_path / "old", config(backbone="eagle2"))
     assert resumed.resume() and resumed.train_seconds == 0.0 and resumed.timed_from_step == resumed.step > 0
     resumed.fit(progress=False)
-    assert load_head(tmp_path / "old", target)[1].extra["timed_from_step"] == resumed.steps_per_epoch
+    load_head(tmp_path / "old", target)
+    assert read_config(tmp_path / "old")[1].extra["timed_from_step"] == resumed.steps_per_epoch
 
 
 def test_draft_vocab_is_chosen_from_training_records_and_resume_refuses_another(tmp_path, target, features,
@@ -129,14 +133,15 @@ def test_draft_vocab_is_chosen_from_training_records_and_resume_refuses_another(
     counts = loss_token_counts(FeatureSet.from_specs(str(features)), target.vocab_size, trainer.train_idx, max_len=60)
     stops = target.stop_token_ids()
     assert stops and torch.equal(trainer.head.draft_ids, select_draft_vocab(counts, 40, always=stops))
-    step_head, _ = load_head(next((tmp_path / "v" / "ckpt").glob("step-*/head")), target)
+    step_head = load_head(next((tmp_path / "v" / "ckpt").glob("step-*/head")), target)
     assert torch.equal(step_head.draft_ids, trainer.head.draft_ids)  # the epoch checkpoint's head has it too
     for other in (48, None):
         with pytest.raises(TrainingError, match=f"saved with draft_vocab 40, this run has {other}"):
             Trainer(target, features, tmp_path / "v", config(backbone="hass", draft_vocab=other, max_len=60)).resume()
     assert trainer.resume()
     trainer.fit(progress=False)
-    head, info = load_head(tmp_path / "v", target)
+    head = load_head(tmp_path / "v", target)
+    _, info = read_config(tmp_path / "v")
     assert torch.equal(head.draft_ids, trainer.head.draft_ids)
     assert info.extra["draft_vocab_coverage"] == round(float(counts[head.draft_ids].sum() / counts.sum()), 6)
     with pytest.raises(ValueError, match="draft vocabulary size 385 must be between 1 and"):

@@ -157,7 +157,7 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
     if threads is not None:
         torch.set_num_threads(threads)
     target = Target.load(target_spec, device=device, dtype=dtype)
-    head = load_head(drafter, target)[0] if drafter else None
+    head = load_head(drafter, target) if drafter else None
     # keyed as --tree auto looks it up (auto_tree_policy): a draft level's cost depends on the head's
     # shape and draft vocabulary, not its weights
     result = profile(target, head, head_shape_key(head) if head is not None else None, measure=measure,

@@ -155,7 +155,7 @@ def regenerate_file(target_spec: str | None, data: str | Path, out: str | Path,
     if target_spec is None:
         raise ValueError("name the target: --target DIR (decode here) or --endpoint URL (decode on a server)")
     target = Target.load(target_spec, device=device, dtype=dtype)
-    proposer = SingleProposer(load_head(drafter, target)[0]) if drafter else None
+    proposer = SingleProposer(load_head(drafter, target)) if drafter else None
     return f"regenerated {regenerate(target, data, out, settings, proposer):,} records into {out}"
 
 

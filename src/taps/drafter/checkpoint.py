@@ -211,8 +211,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tuple[EagleHead, DrafterInfo]:
-    """Load a drafter strictly for `target` (a taps Target), bound to its embedding and LM head."""
+def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> EagleHead:
+    """Load a drafter strictly for `target` (a taps Target), bound to its embedding and LM head.
+    Its `taps` block (DrafterInfo) is read_config(path)[1]."""
     path = Path(path)
     config, info = read_config(path)
     cfg_path = path / CONFIG_NAME
@@ -255,7 +256,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> tu
                 f"{weights}: key {key} has shape {tuple(tensors[key].shape)}, expected {tuple(value.shape)} for this target")
     head.load_state_dict(tensors, strict=True)
     head = head.to(device=target.device, dtype=target.dtype).eval().set_draft_vocab(draft_ids)
-    return head.bind(target.embed_tokens, target.lm_head), info
+    return head.bind(target.embed_tokens, target.lm_head)
 
 
 def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False) -> Path:

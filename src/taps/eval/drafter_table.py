@@ -53,7 +53,7 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
             table[name] = done[name]
             continue
         bar.set_postfix_str(name)
-        proposer = SingleProposer(load_head(path, target)[0], tree)
+        proposer = SingleProposer(load_head(path, target), tree)
         for bench, ids_list in prompts.items():
             for temp in temperatures:
                 new = calls = 0

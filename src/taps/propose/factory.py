@@ -62,7 +62,7 @@ def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
     exists) is prompt lookup; anything else is a drafter directory, loaded strictly for the target."""
     if path == LOOKUP and not Path(path).is_dir():
         return LookupSpec()
-    return load_head(path, target, **head_options)[0]
+    return load_head(path, target, **head_options)
 
 
 def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, policy=None) -> Proposer:
