@@ -110,7 +110,7 @@ def test_decoding_learns_to_overrule_an_overconfident_head_and_stays_lossless():
 
 def test_records_replay_to_the_live_state_and_the_pool_keeps_one_per_variant():
     """What a resumed `taps eval` does: the records' decisions and accepted tokens rebuild the state."""
-    from taps.eval.records import turn_record
+    from taps.eval.records import TurnIdentity, turn_record
 
     _, target, heads = heads_of("llama")
     spec = parse_spec("learned", "route-bandit-step:sharp=S,fit-a=F")
@@ -122,8 +122,9 @@ def test_records_replay_to_the_live_state_and_the_pool_keeps_one_per_variant():
         proposer = pool.proposer(spec, TREE)
         assert isinstance(proposer, BanditRouter) and proposer.state is live  # one state per variant, shared
         result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=16))
-        records.append(turn_record(result, variant="learned", bench="b", question_id=str(len(records)), turn=0,
-                                   temperature=0.0, category="", seed=0, drafters=spec.member_names, output=""))
+        records.append(turn_record(result, TurnIdentity(variant="learned", bench="b", question_id=str(len(records)),
+                                                        turn=0, temperature=0.0, category="", seed=0,
+                                                        drafters=spec.member_names), output=""))
         assert all(info["route_context"] in (0, 1) and len(info["route_prior"]) == 2 for info in records[-1]["step_info"])
     rebuilt = BanditState(spec.member_names, TREE.depth)
     assert rebuilt.replay(records) == sum(len(r["step_info"]) for r in records)  # one decision per step

@@ -17,7 +17,8 @@ from taps.eval.metrics import (acceptance_by_depth, acceptance_length, accepted_
                                add_benchmark_average, entropy_summary, load_results, per_question_acceptance,
                                posthoc_decisions, posthoc_routing, routing_counts, routing_shares, speedup,
                                summarize, tokens_per_second, turn_routing_shares)
-from taps.eval.records import ENTROPY_BIN_EDGES, ENTROPY_BINS, RecordFormatError, check_record, turn_record
+from taps.eval.records import (ENTROPY_BIN_EDGES, ENTROPY_BINS, RecordFormatError, TurnIdentity, check_record,
+                               turn_record)
 from taps.propose.base import StepInfo
 from taps.propose.routed import RoutedProposer
 from taps.propose.single import SingleProposer
@@ -324,8 +325,8 @@ def test_record_of_a_real_decode():
     head = init_head(model.config, seed=3).bind(target.embed_tokens, target.lm_head)
     result = generate(target, SingleProposer(head, TreeConfig(20, 4, 4)), prompts(1, seed=11)[0],
                       DecodeConfig(max_new_tokens=20, trace=True))
-    record = turn_record(result, variant="single", bench="gsm8k", question_id="7", turn=0, temperature=0.0,
-                         category="math", seed=0, drafters=["single"], output="")
+    record = turn_record(result, TurnIdentity(variant="single", bench="gsm8k", question_id="7", turn=0, temperature=0.0,
+                                              category="math", seed=0, drafters=["single"]), output="")
     record = check_record(json.loads(json.dumps(record)), "round trip")  # what a results file gives back
     assert acceptance_length([record]) == result.acceptance_length
     assert acceptance_by_depth([record], depth=1)[0] == pytest.approx(
@@ -357,8 +358,9 @@ def test_routing_shares_of_a_real_routed_decode():
     router = RoutedProposer([SingleProposer(h, TreeConfig(12, 3, 3), source=i) for i, h in enumerate(heads)],
                             names=["math", "chat"])
     result = generate(target, router, prompts(1, seed=5)[0], DecodeConfig(max_new_tokens=24))
-    record = turn_record(result, variant="routed", bench="mt_bench", question_id="81", turn=0, temperature=0.0,
-                         category="writing", seed=0, drafters=router.names, output="")
+    record = turn_record(result, TurnIdentity(variant="routed", bench="mt_bench", question_id="81", turn=0,
+                                              temperature=0.0, category="writing", seed=0, drafters=router.names),
+                         output="")
     counts = routing_counts([record])
     assert counts == {"math": router.chosen.count(0), "chat": router.chosen.count(1)}
     assert sum(counts.values()) == len(result.steps)

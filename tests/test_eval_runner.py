@@ -17,7 +17,7 @@ from taps.eval.benchmarks import Question
 from taps.eval.records import read_records, record_key
 from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval
 from taps.propose.spec import parse_variant
-from taps.target import Target
+from taps.target import Target, TargetRef
 from taps.testing import write_tiny_target
 
 QUESTIONS = [
@@ -213,8 +213,8 @@ def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, caps
     target_dir, variants, specs = setup
     run_eval(Target.load(target_dir, dtype="float32"), str(target_dir), variants[:4], QUESTIONS, tmp_path / "one", SETTINGS,
              progress=False)
-    total = run_eval_jobs(str(target_dir), "cpu", "float32", variants[:4], QUESTIONS, tmp_path / "two", SETTINGS,
-                          jobs=2, progress=False)
+    total = run_eval_jobs(TargetRef(str(target_dir), "cpu", "float32"), variants[:4], QUESTIONS, tmp_path / "two",
+                          SETTINGS, jobs=2, progress=False)
     assert total == len(read_records(tmp_path / "one" / "records.jsonl"))
     assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
     assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /

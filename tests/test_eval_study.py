@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from taps.cli import main
+from taps.config import TreeConfig
 from taps.eval.metrics import load_results
 from taps.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
                              study_from_dict)
@@ -128,16 +129,16 @@ def test_toy_study_runs_every_stage(tmp_path, data_dir):
 
 def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.drafter.checkpoint import write_untrained
-    from taps.study import demo_study
+    from taps.study import DemoSettings, demo_study
     from taps.testing import write_tiny_target
 
     target = write_tiny_target(tmp_path / "m" / "target")
     with pytest.raises(FileNotFoundError, match="train them with `taps reproduce`"):
-        demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
+        demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16))
     for domain in ("chat", "math", "mixed-small", "mixed-large"):
         write_untrained(target, tmp_path / "m" / "drafters" / f"hass-{domain}", seed=1)
     write_untrained(target, tmp_path / "m" / "drafters" / "eagle2-chat", seed=1)  # an incomplete backbone
-    study = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16)
+    study = demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16))
     names = [v.name for v in study.variants]
     assert names[0] == "baseline" and all(n.startswith("hass-") for n in names[1:])
     said = capsys.readouterr().out
@@ -146,23 +147,23 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert "hass-routed-bandit" in names
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
     assert (study.settings.tree.total_tokens, study.settings.tree.depth, study.settings.tree.top_k) == (60, 5, 10)
-    small = demo_study(tmp_path / "m", tmp_path / "out", None, 2, 16, tree={"total_tokens": 16, "depth": 5, "top_k": 4})
+    small = demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16, tree=TreeConfig(16, 5, 4)))
     assert (small.settings.tree.total_tokens, small.settings.tree.top_k) == (16, 4)
     with pytest.raises(FileNotFoundError, match="no embedded target"):
-        demo_study(tmp_path / "nothing", tmp_path / "out", None, 2, 16)
+        demo_study(tmp_path / "nothing", tmp_path / "out", None, DemoSettings(2, 16))
 
 
 def test_demo_on_a_models_directory_named_after_a_known_target(tmp_path):
     """models/smollm2-135m-instruct holds only drafters: the target is the installed package's GGUF file."""
     from taps.drafter.checkpoint import write_untrained
-    from taps.study import demo_study
+    from taps.study import DemoSettings, demo_study
 
     models = tmp_path / "smollm2-135m-instruct"
     for domain in ("chat", "math", "mixed-small", "mixed-large"):
         write_untrained("smollm2-135m-instruct", models / "drafters" / f"eagle2-{domain}")
-    study = demo_study(models, tmp_path / "out", None, 1, 8, dtype="bfloat16")
+    study = demo_study(models, tmp_path / "out", None, DemoSettings(1, 8, dtype="bfloat16"))
     assert str(study.target) == "smollm2-135m-instruct" and study.dtype == "bfloat16"
     assert {v.name for v in study.variants} >= {"baseline", "eagle2-math", "eagle2-routed", "eagle2-merged"}
     assert not any(v.name.startswith("hass") for v in study.variants)
     with pytest.raises(FileNotFoundError, match="no embedded target here"):
-        demo_study(tmp_path / "elsewhere", tmp_path / "out", None, 1, 8)
+        demo_study(tmp_path / "elsewhere", tmp_path / "out", None, DemoSettings(1, 8))

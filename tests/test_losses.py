@@ -15,8 +15,8 @@ from taps.target import Target
 from taps.testing import tiny_model
 from taps.train import losses
 from taps.train.losses import (
-    Eagle2Config, HassConfig, TrainBatch, aligned_outputs, alignment_mask, eagle2_loss, hass_loss, head_pairs,
-    pad_batch, step_terms,
+    Eagle2Config, HassConfig, Teacher, TrainBatch, aligned_outputs, alignment_mask, eagle2_loss, hass_loss,
+    head_pairs, pad_batch, step_terms,
 )
 from taps.train.trainer import has_compiler
 from taps.tree import additive_mask
@@ -182,16 +182,16 @@ def test_step_terms_hand_made():
     predicted = torch.tensor([[[0.0, 0.0], [1.0, 1.0]]])  # [1, 2, 2]
     targets = torch.tensor([[[0.5, -3.0], [1.0, 1.0]]])  # [1, 2, 2]
     only_first = torch.tensor([[True, False]])
-    s = step_terms(predicted, logits, targets, q, only_first, topk=2)
+    s = step_terms(predicted, logits, Teacher(targets, q, topk=2), only_first)
     assert s.feature.item() == pytest.approx((0.125 + 2.5) / 2)
     assert s.token.item() == pytest.approx(math.log(4))  # -sum q log(1/4)
     assert s.distill.item() == pytest.approx((0.5 + 0.3) * math.log(4))  # top-2 of q: 0.5 and 0.3, not renormalised
-    both = step_terms(predicted, logits, targets, q, torch.tensor([[True, True]]), topk=2)
+    both = step_terms(predicted, logits, Teacher(targets, q, topk=2), torch.tensor([[True, True]]))
     second = -(0.4 * math.log(0.1) + 0.3 * math.log(0.2))
     assert both.distill.item() == pytest.approx(((0.5 + 0.3) * math.log(4) + second) / 2)
     # argmax: head picks 0 (tie, first) vs target 0; head 1 vs target 3
     assert both.top1.item() == pytest.approx(0.5) and s.top1.item() == pytest.approx(1.0)
-    assert step_terms(predicted, logits, targets, q, only_first, topk=None).distill.item() == 0.0
+    assert step_terms(predicted, logits, Teacher(targets, q, topk=None), only_first).distill.item() == 0.0
 
 
 # ---- a draft vocabulary (EAGLE-3): every vocabulary-sized term over N tokens ------------------------
@@ -296,10 +296,10 @@ def test_step_terms_over_a_draft_vocabulary_map_the_argmax():
     q = torch.softmax(logits, -1)
     x = torch.zeros(1, 2, 2)
     both = torch.tensor([[True, True]])
-    s = step_terms(x, logits, x, q, both, None, q_argmax=torch.tensor([[7, 5]]), draft_ids=torch.tensor([4, 7, 9]))
+    s = step_terms(x, logits, Teacher(x, q, q_argmax=torch.tensor([[7, 5]]), draft_ids=torch.tensor([4, 7, 9])), both)
     assert s.top1.item() == pytest.approx(0.5)  # 7 == 7; 4 != 5 (5 is outside the draft vocabulary)
     with pytest.raises(ValueError, match="q_argmax in target ids"):
-        step_terms(x, logits, x, q, both, None, draft_ids=torch.tensor([4, 7, 9]))
+        step_terms(x, logits, Teacher(x, q, draft_ids=torch.tensor([4, 7, 9])), both)
 
 
 # ---- masking and padding ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 
 from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, number_list,
                            positive_int, tree_shape)
-from taps.config import SamplingConfig, TreeConfig
+from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.data import commands as data_commands
 from taps.decode import ContextWindowError
 from taps.drafter.checkpoint import CheckpointError, write_untrained
@@ -27,6 +27,7 @@ from taps.profile import profile_report
 from taps.propose import commands as propose_commands
 from taps.propose.generate import generate_prompt
 from taps.serve import commands as serve_commands
+from taps.target import TargetRef
 from taps.target_source import convert_target
 from taps.train import commands as train_commands
 from taps.train.draft_vocab import reduce_vocab
@@ -73,12 +74,11 @@ def _add_generate(sub) -> None:
 
 def _generate(args) -> int:
     spec = propose_commands.composition(args)
-    out = generate_prompt(args.target, spec, args.prompt if args.prompt_ids is None else args.prompt_ids, raw=args.raw,
+    out = generate_prompt(TargetRef(args.target, args.device, args.dtype, args.attn, args.trust_remote_code), spec,
+                          args.prompt if args.prompt_ids is None else args.prompt_ids, raw=args.raw,
                           tree=TreeConfig(*tree_shape(args)) if spec.drafters else None, auto_tree=args.tree == "auto",
-                          max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k),
-                          device=args.device, dtype=args.dtype, attn=args.attn,
-                          trust_remote_code=args.trust_remote_code)
+                          decode=DecodeConfig(args.max_new_tokens, seed=args.seed,
+                                              sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k)))
     if args.json:
         print(json.dumps(out.as_json()))
     else:

@@ -24,15 +24,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
 from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
 from taps.eval import report
+from taps.eval.benchmarks import load_questions
 from taps.eval.runner import EvalSettings, ResultsMismatchError, eval_benchmarks
 from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
+from taps.target import TargetRef
 from taps.target_source import KNOWN_TARGETS, find_gguf, resolve_target
 from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, build_drafters
 
@@ -270,9 +272,9 @@ def run_study(study: Study, stages: tuple[str, ...] = STAGES, progress: bool = T
                                                          for k, v in study.drafter_recipe.items()})
         build_drafters(recipe, study.target, study.drafters, study.work / "drafters", jobs=study.drafter_jobs)
     if "eval" in stages:
-        eval_benchmarks(str(study.target), study.variants, study.benches, study.results, study.settings,
-                        study.data_dir, study.limit, study.categories, study.eval_jobs, study.device, study.dtype,
-                        progress)
+        questions = load_questions(study.benches, study.data_dir, study.limit, study.categories)
+        eval_benchmarks(TargetRef(str(study.target), study.device, study.dtype), study.variants, questions,
+                        study.results, study.settings, study.eval_jobs, progress)
     if "report" in stages:
         report.write_report(study.results, study.report)
     return study.report
@@ -287,13 +289,24 @@ def _embedded(models: str | Path) -> Path:
     return beside_repo if beside_repo.is_dir() else models
 
 
-def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_bench: int,
-               max_new_tokens: int, lambdas: tuple[float, ...] = (0.25, 0.75), tree: dict | None = None,
-               dtype: str = "auto", jobs: int = 1) -> Study:
+@dataclass(frozen=True)
+class DemoSettings:
+    """What `taps demo` may change about the study it runs, in one object because it passes
+    unchanged from the command line through run_demo into demo_study's config."""
+
+    per_bench: int = 1  # questions per benchmark
+    max_new_tokens: int = 96  # answer length cap per turn
+    tree: TreeConfig = field(default_factory=TreeConfig)  # the tree shape (with auto_tree: its caps)
+    auto_tree: bool = False  # cost-aware trees (the eval config's tree mode: auto)
+    dtype: str = "auto"  # the target's and heads' dtype
+    jobs: int = 1  # evaluation worker processes
+
+
+def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settings: DemoSettings = DemoSettings(),
+               lambdas: tuple[float, ...] = (0.25, 0.75)) -> Study:
     """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
-    on a few questions of each benchmark at temperature 0. tree: the eval config's tree block
-    (default: the paper's 60/5/10)."""
+    on a few questions of each benchmark at temperature 0."""
     models = _embedded(models)
     target, drafters = models / "target", models / "drafters"
     if not (target / "config.json").is_file():
@@ -310,12 +323,13 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, per_be
         raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
                                 f"train them with `taps reproduce` (a config with drafters.recipe, e.g. "
                                 f"configs/smollm2.yaml)")
+    shape = {**asdict(settings.tree), **({"mode": "auto"} if settings.auto_tree else {})}
     config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
-                       "limit": per_bench, "max_new_tokens": max_new_tokens, "dtype": dtype, "jobs": jobs,
-                       **({"tree": dict(tree)} if tree else {})}}
+                       "limit": settings.per_bench, "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype,
+                       "jobs": settings.jobs, "tree": shape}}
     return study_from_dict(config, "taps demo", data_dir)
 
 
@@ -339,18 +353,17 @@ def reproduce(config: str | Path, stages: str = ",".join(STAGES), data_dir: str 
         echo(f"taps reproduce: report in {run_study(study, chosen, progress=progress) / 'report.md'}")
 
 
-def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | None = None, per_bench: int = 1,
-             max_new_tokens: int = 96, tree: TreeConfig = TreeConfig(), auto_tree: bool = False, dtype: str = "auto",
-             jobs: int = 1, progress: bool = True, echo: Callable[[str], None] = print) -> None:
+def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | None = None,
+             settings: DemoSettings = DemoSettings(), progress: bool = True,
+             echo: Callable[[str], None] = print) -> None:
     """`taps demo`: demo_study, evaluated and reported, then the terminal summary. In the default
     directory, results of an earlier embedded default (other target or drafter weights) are moved
     aside, kept, and the demo starts afresh: `make demo` after a new default shipped still just works."""
-    shape = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k,
-             **({"mode": "auto"} if auto_tree else {})}
-    study = demo_study(models, out, data_dir, per_bench, max_new_tokens, tree=shape, dtype=dtype, jobs=jobs)
-    echo(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({per_bench} questions each, "
-         f"temperature 0, tree {'auto' if auto_tree else 'fixed'} {tree.total_tokens}/{tree.depth}/{tree.top_k}) "
-         f"on {study.target}")
+    study = demo_study(models, out, data_dir, settings)
+    tree = settings.tree
+    echo(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({settings.per_bench} questions "
+         f"each, temperature 0, tree {'auto' if settings.auto_tree else 'fixed'} "
+         f"{tree.total_tokens}/{tree.depth}/{tree.top_k}) on {study.target}")
     try:
         report_dir = run_study(study, ("eval", "report"), progress=progress)
     except ResultsMismatchError as e:

@@ -276,3 +276,19 @@ class Target:
             raise RuntimeError("commit() without a preceding forward_tree()")
         kv.keep_rows(self.cache, self._tree_start, nodes)
         self._tree_start = None
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    """A target to load: what Target.load takes, kept in one object because it travels unloaded
+    from the command line to where the loading happens (a library call, or each `--jobs` worker
+    process, which loads its own copy)."""
+
+    path: str  # a Hugging Face model directory, a .gguf file or a known name (taps.target_source)
+    device: str = "auto"
+    dtype: str = "auto"
+    attn: str = "sdpa"  # the target's attention implementation
+    trust_remote_code: bool = False
+
+    def load(self) -> Target:
+        return Target.load(self.path, self.device, self.dtype, self.attn, self.trust_remote_code)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from taps.data.sources import DATA_DIR_ENV
 from taps.jsonl import read_json_lines
@@ -92,6 +92,13 @@ def load_benchmark(name_or_path: str, data_dir: str | Path | None = None, limit:
                              f"available: {', '.join(available)}")
         questions = [q for q in questions if q.category in wanted]
     return questions if limit is None else questions[:limit]
+
+
+def load_questions(benches: Sequence[str], data_dir: str | Path | None = None, limit: int | None = None,
+                   categories: Sequence[str] | None = None) -> list[Question]:
+    """The questions of several benchmarks (names or [name=]PATH, parse_bench_list), in order: what
+    `taps eval` and a study's eval stage decode (load_benchmark on each)."""
+    return [q for name in benches for q in load_benchmark(name, data_dir, limit=limit, categories=categories)]
 
 
 def read_questions(path: str | Path, bench: str, fmt: str | None = None) -> list[Question]:

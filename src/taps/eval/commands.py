@@ -13,11 +13,12 @@ import os
 from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
                            positive_int, tree_shape)
 from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
-from taps.eval.benchmarks import parse_bench_list
+from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
 from taps.eval.runner import EvalSettings, eval_benchmarks
 from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
-from taps.study import reproduce, run_demo
+from taps.study import DemoSettings, reproduce, run_demo
+from taps.target import TargetRef
 
 
 def _variant(text: str):
@@ -67,8 +68,9 @@ def register(sub) -> None:
 def _eval(args) -> int:
     settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
-    print(eval_benchmarks(args.target, args.variant, args.bench, args.out, settings, args.data_dir, args.limit,
-                          args.category, args.jobs, args.device, args.dtype, progress=not args.no_progress))
+    questions = load_questions(args.bench, args.data_dir, args.limit, args.category)
+    print(eval_benchmarks(TargetRef(args.target, args.device, args.dtype), args.variant, questions, args.out, settings,
+                          args.jobs, progress=not args.no_progress))
     return 0
 
 
@@ -117,8 +119,9 @@ def _reproduce(args) -> int:
 
 
 def _demo(args) -> int:
-    run_demo(args.models, args.out, args.data_dir, args.per_bench, args.max_new_tokens, TreeConfig(*tree_shape(args)),
-             args.tree == "auto", args.dtype, args.jobs, progress=not args.no_progress)
+    settings = DemoSettings(args.per_bench, args.max_new_tokens, TreeConfig(*tree_shape(args)), args.tree == "auto",
+                            args.dtype, args.jobs)
+    run_demo(args.models, args.out, args.data_dir, settings, progress=not args.no_progress)
     return 0
 
 

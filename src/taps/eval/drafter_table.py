@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,20 +31,33 @@ from taps.target import Target
 BENCHES = ("gsm8k", "mt_bench")
 
 
-def bench_prompts(data_dir: str | Path, n: int) -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class TableSettings:
+    """What a table's cells are measured on and with, in one object because it travels whole from
+    `taps drafter table` to acceptance_table and to every worker process. OUT.json keeps all of it
+    but `data_dir` (table_settings): rows measured under other settings are measured again."""
+
+    data_dir: str | Path | None  # the benchmarks' data directory (None: $TAPS_DATA_DIR, else the hub)
+    n: int = 20  # first questions of each benchmark
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    max_new_tokens: int = 256
+    seed: int = 0  # question i of a cell decodes with seed + i
+
+
+def bench_prompts(data_dir: str | Path | None, n: int) -> dict[str, list[str]]:
     """The first user turn of the first n questions of each benchmark."""
     return {bench: [q.turns[0] for q in load_benchmark(bench, data_dir, limit=n)] for bench in BENCHES}
 
 
-def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, n: int = 20,
-                     temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256,
-                     tree: TreeConfig = TreeConfig(), seed: int = 0, done: dict | None = None,
+def acceptance_table(target: Target, drafters: dict[str, Path], settings: TableSettings,
+                     tree: TreeConfig = TreeConfig(), done: dict | None = None,
                      on_drafter: Callable[[str, dict], None] | None = None, progress: bool = False) -> dict:
     """{drafter: {bench: {temperature: {"tau", "new_tokens", "verifier_calls"}}}}; drafters in
     `done` are taken from it unmeasured, `on_drafter(name, table)` runs after each measured one."""
     prompts = {b: [chat_ids(target.tokenizer, [{"role": "user", "content": q}]) for q in qs]
-               for b, qs in bench_prompts(data_dir, n).items()}
+               for b, qs in bench_prompts(settings.data_dir, settings.n).items()}
     stops = target.stop_token_ids()
+    temperatures = settings.temperatures
     table: dict = {}
     todo = [name for name in drafters if not (done and name in done)]
     bar = tqdm(total=len(todo) * sum(map(len, prompts.values())) * len(temperatures), desc="drafter table",
@@ -58,8 +72,8 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
             for temp in temperatures:
                 new = calls = 0
                 for i, ids in enumerate(ids_list):
-                    cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temp),
-                                       stop_token_ids=stops, seed=seed + i)
+                    cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, sampling=SamplingConfig(temp),
+                                       stop_token_ids=stops, seed=settings.seed + i)
                     result = generate(target, proposer, ids, cfg)
                     new, calls = new + len(result.tokens), calls + result.verifier_calls
                     bar.update(1)
@@ -71,9 +85,11 @@ def acceptance_table(target: Target, drafters: dict[str, Path], data_dir: str | 
     return table
 
 
-def table_settings(target: Target, n: int, temperatures: tuple[float, ...], max_new_tokens: int, seed: int) -> dict:
-    return {"target_tokenizer": target.fingerprint(), "n": n, "temperatures": list(temperatures),
-            "max_new_tokens": max_new_tokens, "seed": seed, "dtype": str(target.dtype).removeprefix("torch.")}
+def table_settings(target: Target, settings: TableSettings) -> dict:
+    """The settings OUT.json records (the target by its tokenizer and dtype)."""
+    return {"target_tokenizer": target.fingerprint(), "n": settings.n, "temperatures": list(settings.temperatures),
+            "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
+            "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, str]) -> dict:
@@ -99,74 +115,69 @@ def table_of_directory(target_spec: str, drafters_dir: str | Path, out: str | Pa
     drafters = {p.name: p for p in sorted(root.iterdir()) if (p / "model.safetensors").is_file()}
     if not drafters:
         raise FileNotFoundError(f"{root}: no drafter directories (<name>/model.safetensors)")
-    data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
-    table = update_table(Target.load(target_spec, device="cpu", dtype=dtype), drafters, data_dir, out, n,
-                         temperatures, max_new_tokens, jobs=jobs, target_dir=target_spec)
+    settings = TableSettings(data_dir or os.environ.get(DATA_DIR_ENV), n, temperatures, max_new_tokens)
+    table = update_table(Target.load(target_spec, device="cpu", dtype=dtype), drafters, out, settings, jobs=jobs)
     return to_markdown(table, temperatures)
 
 
-def update_table(target: Target, drafters: dict[str, Path], data_dir: str | Path, out: str | Path, n: int = 20,
-                 temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256, seed: int = 0,
-                 log: Callable[[str], None] = print, progress: bool = True, jobs: int = 1,
-                 target_dir: str | Path | None = None) -> dict:
+def update_table(target: Target, drafters: dict[str, Path], out: str | Path, settings: TableSettings,
+                 log: Callable[[str], None] = print, progress: bool = True, jobs: int = 1) -> dict:
     """Measure the drafters not yet in OUT.json (same settings and weights), writing OUT.json and
     OUT.md after each one; returns the full table. jobs > 1 measures that many drafters at once in
-    separate processes (each loads the target from `target_dir`); every cell is seeded per
-    question, so the rows are those of a sequential run."""
+    separate processes (each loads the target from the directory `target` was loaded from); every
+    cell is seeded per question, so the rows are those of a sequential run."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     out = Path(out)
-    settings = table_settings(target, n, temperatures, max_new_tokens, seed)
+    recorded = table_settings(target, settings)
     digests = {name: weights_digest(path) for name, path in drafters.items()}
-    done = reusable_rows(out.with_suffix(".json"), settings, digests)
+    done = reusable_rows(out.with_suffix(".json"), recorded, digests)
     if done:
         log(f"{out.with_suffix('.json')}: reusing {', '.join(sorted(done))}")
     clock = {"t": time.time()}
 
     def save(name: str, table: dict, seconds: float | None = None) -> None:
-        write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
+        write_table(table, out, settings.temperatures, recorded, {k: digests[k] for k in table})
         log(f"{name}: measured in {time.time() - clock['t'] if seconds is None else seconds:.0f} s")
         clock["t"] = time.time()
 
     todo = [name for name in drafters if name not in done]
     if jobs > 1 and len(todo) > 1:
-        if target_dir is None:
-            raise ValueError("update_table(jobs > 1) needs target_dir: each worker process loads the target")
+        if target.source_dir is None:
+            raise ValueError("update_table(jobs > 1) needs a target loaded from a directory (Target.load): each "
+                             "worker process loads its own")
         table = dict(done)
-        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target_dir), settings["dtype"], data_dir,
-                            (n, temperatures, max_new_tokens, seed), jobs, save)
+        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target.source_dir), recorded["dtype"],
+                            settings, jobs, save)
     else:
-        table = acceptance_table(target, drafters, data_dir, n, temperatures, max_new_tokens, seed=seed, done=done,
-                                 on_drafter=save, progress=progress)
-    write_table(table, out, temperatures, settings, {k: digests[k] for k in table})
+        table = acceptance_table(target, drafters, settings, done=done, on_drafter=save, progress=progress)
+    write_table(table, out, settings.temperatures, recorded, {k: digests[k] for k in table})
     return table
 
 
-def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], data_dir, args: tuple, order: list[str],
-                  taken, results, threads: int) -> None:
+def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], settings: TableSettings,
+                  order: list[str], taken, results, threads: int) -> None:
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device="cpu", dtype=dtype)
-    n, temperatures, max_new_tokens, seed = args
 
     for name in workers.untaken(order, taken):
         t0 = time.time()
         try:
-            row = acceptance_table(target, {name: drafters[name]}, data_dir, n, temperatures, max_new_tokens,
-                                   seed=seed)[name]
+            row = acceptance_table(target, {name: drafters[name]}, settings)[name]
             results.put((name, row, time.time() - t0, None))
         except Exception as e:  # reported by the parent, naming the drafter
             results.put((name, None, 0.0, f"{type(e).__name__}: {e}"))
 
 
-def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, data_dir, args: tuple,
+def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, settings: TableSettings,
                         jobs: int, save: Callable) -> None:
     """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
     taken, results = workers.counter(), workers.SPAWN.Queue()
     jobs = min(jobs, len(todo))
     threads = workers.cores_each(jobs)
-    procs = workers.start(_table_worker, [(target_dir, dtype, todo, str(data_dir), args, list(todo), taken, results,
-                                           threads)] * jobs)
+    procs = workers.start(_table_worker, [(target_dir, dtype, todo, settings, list(todo), taken, results, threads)]
+                          * jobs)
     pending, errors = set(todo), []
     while pending:
         try:

@@ -28,6 +28,7 @@ settings are in the results directory's run.json, written by the runner.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from taps.decode import DecodeResult
@@ -75,10 +76,24 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def turn_record(result: DecodeResult, *, variant: str, bench: str, question_id: str, turn: int,
-                temperature: float, category: str, seed: int, drafters: Sequence[str], output: str) -> dict:
-    """The record of one decoded turn. Traced steps (DecodeConfig.trace) fill the node statistics;
-    untraced ones (plain decoding) leave them empty."""
+@dataclass(frozen=True)
+class TurnIdentity:
+    """What a record is of, its identity fields: one turn of one question, decoded by one variant
+    at one temperature. Kept apart from what the decode gave (turn_record's result and output)."""
+
+    variant: str
+    bench: str
+    question_id: str
+    turn: int  # 0-based
+    temperature: float
+    category: str
+    seed: int  # the question's seed (runner.question_seed), shared by every variant
+    drafters: Sequence[str]  # member names of a composed variant, in drafter-index order; () for the baseline
+
+
+def turn_record(result: DecodeResult, identity: TurnIdentity, output: str) -> dict:
+    """The record of one decoded turn (`output`: its decoded text). Traced steps (DecodeConfig.trace)
+    fill the node statistics; untraced ones (plain decoding) leave them empty."""
     steps = result.steps
     hist = {"accepted": [0] * ENTROPY_BINS, "rejected": [0] * ENTROPY_BINS}
     per_step: dict[str, list] = {k: [] for k in PER_STEP}
@@ -111,8 +126,9 @@ def turn_record(result: DecodeResult, *, variant: str, bench: str, question_id: 
             hist["rejected"][_entropy_bin(value)] += 1
     split = result.time_split()
     return {
-        "version": RECORD_VERSION, "variant": variant, "bench": bench, "question_id": str(question_id), "turn": turn,
-        "temperature": float(temperature), "category": category, "seed": seed, "drafters": list(drafters),
+        "version": RECORD_VERSION, "variant": identity.variant, "bench": identity.bench,
+        "question_id": str(identity.question_id), "turn": identity.turn, "temperature": float(identity.temperature),
+        "category": identity.category, "seed": identity.seed, "drafters": list(identity.drafters),
         "new_tokens": len(result.tokens), "verifier_calls": result.verifier_calls,
         "prompt_tokens": result.prompt_tokens, "reused_prefix": result.reused_prefix,
         "stop_reason": result.stop_reason, "output": output,

@@ -32,15 +32,15 @@ from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
 from taps.drafter.head import EagleHead
-from taps.eval.benchmarks import Question, load_benchmark
-from taps.eval.records import conversation_key, read_records, record_key, turn_record
+from taps.eval.benchmarks import Question
+from taps.eval.records import TurnIdentity, conversation_key, read_records, record_key, turn_record
 from taps.identity import MismatchError, check_same
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
 from taps.profile import auto_tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
-from taps.target import Target
+from taps.target import Target, TargetRef
 
 RECORDS = "records.jsonl"
 SHARDS = "shards"
@@ -232,9 +232,8 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
                            sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
                            trace=bool(v.drafters))
         turns = decode_conversation(target, pool.proposer(v, settings.tree, policy), q, cfg)
-        append_jsonl(sink, [turn_record(result, variant=v.name, bench=q.bench, question_id=q.question_id, turn=i,
-                                        temperature=temperature, category=q.category, seed=seed,
-                                        drafters=v.member_names, output=reply)
+        who = TurnIdentity(v.name, q.bench, q.question_id, 0, temperature, q.category, seed, v.member_names)
+        append_jsonl(sink, [turn_record(result, replace(who, turn=i), reply)
                             for i, (result, reply) in enumerate(turns)])
         bar.update(1)
     bar.close()
@@ -246,42 +245,40 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     return len(units)
 
 
-def eval_benchmarks(target_spec: str, variants: Sequence[VariantSpec], benches: Sequence[str], out: str | Path,
-                    settings: EvalSettings = EvalSettings(), data_dir: str | None = None, limit: int | None = None,
-                    categories: Sequence[str] | None = None, jobs: int = 1, device: str = "auto", dtype: str = "auto",
+def eval_benchmarks(source: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
+                    out: str | Path, settings: EvalSettings = EvalSettings(), jobs: int = 1,
                     progress: bool = True) -> str:
-    """`taps eval` and a study's eval stage: the questions of the benchmarks (names or [name=]PATH,
-    eval.benchmarks.parse_bench_list) decoded by every variant into `out` (run_eval, or run_eval_jobs
-    with `jobs` worker processes); returns a summary."""
-    questions = [q for name in benches for q in load_benchmark(name, data_dir, limit=limit, categories=categories)]
+    """`taps eval` and a study's eval stage: the questions (of the benchmarks: benchmarks.load_questions)
+    decoded by every variant into `out` (run_eval, or run_eval_jobs with `jobs` worker processes);
+    returns a summary."""
     if jobs > 1:
-        total = run_eval_jobs(target_spec, device, dtype, variants, questions, out, settings, jobs=jobs,
-                              progress=progress)
+        total = run_eval_jobs(source, variants, questions, out, settings, jobs=jobs, progress=progress)
         return f"taps eval: {total} conversations in {out} ({jobs} worker processes)"
-    written = run_eval(load_target_for_eval(target_spec, device, dtype), target_spec, variants, questions, out,
-                       settings, progress=progress)
+    written = run_eval(load_target_for_eval(source), source.path, variants, questions, out, settings,
+                       progress=progress)
     return f"taps eval: {written} conversations decoded in this run; results in {out}"
 
 
-def load_target_for_eval(path: str, device: str, dtype: str):
+def load_target_for_eval(source: TargetRef) -> Target:
     """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
-    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if source.device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
 
-        device = str(PartialState().device)
-    return Target.load(path, device=device, dtype=dtype)
+        source = replace(source, device=str(PartialState().device))
+    return source.load()
 
 
-def _eval_worker(target_spec: str, device: str, dtype: str, variants, questions, out: str, settings: EvalSettings,
-                 shard: Shard, progress: bool, threads: int) -> None:
-    torch.set_num_threads(threads)
-    target = Target.load(target_spec, device=device, dtype=dtype)
-    run_eval(target, target_spec, variants, questions, out, settings, shard=shard, progress=progress, merge=False)
+def _eval_worker(source: TargetRef, variants, questions, out: str, settings: EvalSettings, shard: Shard,
+                 progress: bool) -> None:
+    """One process of run_eval_jobs: shard.rank's questions, on its share of the cores."""
+    torch.set_num_threads(workers.cores_each(shard.world))
+    run_eval(source.load(), source.path, variants, questions, out, settings, shard=shard, progress=progress,
+             merge=False)
 
 
-def run_eval_jobs(target_spec: str, device: str, dtype: str, variants: Sequence[VariantSpec],
-                  questions: Sequence[Question], out: str | Path, settings: EvalSettings = EvalSettings(),
-                  jobs: int = 2, progress: bool = True) -> int:
+def run_eval_jobs(source: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
+                  out: str | Path, settings: EvalSettings = EvalSettings(), jobs: int = 2,
+                  progress: bool = True) -> int:
     """run_eval in `jobs` processes on one machine (each every jobs-th question, with its share of
     the cores), then one merge: on a CPU, single-threaded processes decode more tokens per second
     in all than one process with every thread. Each record is the same as a one-process run's
@@ -291,14 +288,13 @@ def run_eval_jobs(target_spec: str, device: str, dtype: str, variants: Sequence[
     if not questions:
         raise ValueError("no questions to decode (check --bench, --limit and --category)")
     with output_lock(out, "results"):
-        return _run_eval_jobs(target_spec, device, dtype, variants, questions, Path(out), settings, jobs, progress)
+        return _run_eval_jobs(source, variants, questions, Path(out), settings, jobs, progress)
 
 
-def _run_eval_jobs(target_spec, device, dtype, variants, questions, out: Path, settings, jobs, progress) -> int:
-    threads = workers.cores_each(jobs)
+def _run_eval_jobs(source: TargetRef, variants, questions, out: Path, settings, jobs, progress) -> int:
     failed = workers.join(workers.start(_eval_worker, [
-        (target_spec, device, dtype, list(variants), list(questions), str(out), settings, Shard(rank, jobs),
-         progress and rank == 0, threads) for rank in range(jobs)]))
+        (source, list(variants), list(questions), str(out), settings, Shard(rank, jobs), progress and rank == 0)
+        for rank in range(jobs)]))
     merge_shards(out)  # what the finished workers wrote is kept either way; a rerun decodes the rest
     if failed:
         raise RuntimeError(f"eval worker(s) {', '.join(map(str, failed))} of {jobs} failed (see the traceback above); "

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.config import DecodeConfig, TreeConfig
 from taps.decode import DecodeResult, chat_ids, generate
 from taps.profile import auto_tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
-from taps.target import Target
+from taps.target import TargetRef
 
 
 @dataclass
@@ -45,27 +45,26 @@ class Generated:
                 f"{r.acceptance_length:.2f}, {r.tokens_per_second:.1f} tokens/s]")
 
 
-def generate_prompt(target_spec: str, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
-                    tree: TreeConfig | None = None, auto_tree: bool = False, max_new_tokens: int = 128,
-                    sampling: SamplingConfig = SamplingConfig(), seed: int = 0, device: str = "auto",
-                    dtype: str = "auto", attn: str = "sdpa", trust_remote_code: bool = False) -> Generated:
+def generate_prompt(source: TargetRef, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
+                    tree: TreeConfig | None = None, auto_tree: bool = False,
+                    decode: DecodeConfig | None = None) -> Generated:
     """Decode one prompt: token ids as they are, or a user message through the chat template
-    (`raw`: tokenized as plain text). `tree`: the tree shape (with `auto_tree`, its caps)."""
-    target = Target.load(target_spec, device=device, dtype=dtype, attn_implementation=attn,
-                         trust_remote_code=trust_remote_code)
+    (`raw`: tokenized as plain text). `tree`: the tree shape (with `auto_tree`, its caps).
+    `decode`: length, sampling and seed (default: DecodeConfig's); no stop tokens: the target's."""
+    target = source.load()
     tok = target.tokenizer
     if not isinstance(prompt, str):
         ids = list(prompt)
     elif tok is None:
-        raise ValueError(f"{target_spec} has no tokenizer; use --prompt-ids")
+        raise ValueError(f"{source.path} has no tokenizer; use --prompt-ids")
     elif raw:
         ids = tok(prompt)["input_ids"]
     else:
         ids = chat_ids(tok, [{"role": "user", "content": prompt}])
-    pool = HeadPool(target, attn)
+    pool = HeadPool(target, source.attn)
     policy = auto_tree_policy(target, pool.heads(spec), tree) if auto_tree and spec.drafters else None
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=target.stop_token_ids(),
-                       seed=seed)
+    cfg = decode or DecodeConfig()
+    cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
     result = generate(target, pool.proposer(spec, tree or TreeConfig(), policy), ids, cfg)
     stop = set(cfg.stop_token_ids)
     text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""

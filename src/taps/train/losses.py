@@ -274,23 +274,33 @@ def _soft_terms(compiled: bool):
     return _compiled_soft_target_terms
 
 
-def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, weight: Tensor,
-               topk: int | None, q_top: tuple[Tensor, Tensor] | None = None,
-               q_argmax: Tensor | None = None, top1: bool = True, compiled: bool = False,
-               draft_ids: Tensor | None = None) -> StepLoss:
+@dataclass(frozen=True)
+class Teacher:
+    """The target's side of a batch's loss terms, in one object because it depends on the true
+    features only: computed once per batch and shared by every forward step (HASS scores all its
+    steps against it), so no step repeats a vocabulary-sized pass."""
+
+    targets: Tensor  # [B, T, H] true next features
+    q: Tensor  # [B, T, V] (or [B, T, N]) the target's distribution softmax(lm_head(targets)) (target_distribution)
+    topk: int | None = None  # K of the top-K distillation term; None: no distillation term
+    q_top: tuple[Tensor, Tensor] | None = None  # (values, indices) of q's top-K, [B, T, K] each; None: from q
+    q_argmax: Tensor | None = None  # [B, T] the target's argmax in target ids (target_argmax); None: argmax q
+    draft_ids: Tensor | None = None  # [N] the head's draft vocabulary, which the logits and q are over
+
+
+def step_terms(predicted: Tensor, logits: Tensor, teacher: Teacher, weight: Tensor, top1: bool = True,
+               compiled: bool = False) -> StepLoss:
     """The per-step terms, averaged over positions where `weight` is True (pooled over the batch,
     as the EAGLE code does). Masked positions are selected out, not multiplied by 0, so garbage
     (even inf) there cannot leak into the mean.
 
-    predicted [B, T, H], logits [B, T, V] head; targets [B, T, H] true next features, q [B, T, V]
-    the target's distribution softmax(lm_head(targets)) (computed once, shared by all steps);
-    weight [B, T] bool; topk None means no distillation term. q_top (values, indices of q's top-K)
-    and q_argmax depend on q only: HASS computes them once for all its steps. top1=False leaves
-    the agreement metric NaN (it does not enter the loss). compiled: the vocabulary-sized terms
-    through torch.compile (Eagle2Config.compile). draft_ids [N]: logits and q are over a draft
-    vocabulary; the head's argmax is mapped to a target id and compared with q_argmax, which must
-    then be given in target ids (target_argmax).
+    predicted [B, T, H], logits [B, T, V] head; weight [B, T] bool (any leading shape works, the
+    same for all). top1=False leaves the agreement metric NaN (it does not enter the loss).
+    compiled: the vocabulary-sized terms through torch.compile (Eagle2Config.compile). With the
+    teacher's draft_ids, the head's argmax is mapped to a target id and compared with q_argmax,
+    which must then be given in target ids (target_argmax).
     """
+    targets, q, topk, draft_ids = teacher.targets, teacher.q, teacher.topk, teacher.draft_ids
     count = weight.sum()  # []
     denom = count.clamp(min=1).float()  # []
 
@@ -300,14 +310,16 @@ def step_terms(predicted: Tensor, logits: Tensor, targets: Tensor, q: Tensor, we
     feature = F.smooth_l1_loss(predicted.float(), targets.float(), reduction="none").mean(-1)  # [B, T]
     top_q = top_x = None
     if topk is not None:
-        top_q, top_x = q_top if q_top is not None else q.topk(min(topk, q.shape[-1]), dim=-1)  # [B, T, K] x2
+        top = teacher.q_top if teacher.q_top is not None else q.topk(min(topk, q.shape[-1]), dim=-1)
+        top_q, top_x = top  # [B, T, K] x2
     token, per_distill = _soft_terms(compiled)(logits, q, top_q, top_x)  # [B, T] x2
     distill = torch.zeros((), device=logits.device) if topk is None else mean(per_distill)  # []
     if top1:
-        if draft_ids is not None and q_argmax is None:
+        if draft_ids is not None and teacher.q_argmax is None:
             raise ValueError("step_terms over a draft vocabulary needs q_argmax in target ids (target_argmax)")
         guess = logits.argmax(-1) if draft_ids is None else draft_ids[logits.argmax(-1)]  # [B, T] target ids
-        agree = mean((guess == (q.argmax(-1) if q_argmax is None else q_argmax)).float()).detach()  # []
+        truth = q.argmax(-1) if teacher.q_argmax is None else teacher.q_argmax  # [B, T] target ids
+        agree = mean((guess == truth).float()).detach()  # []
     else:
         agree = torch.full((), float("nan"), device=logits.device)  # []
     return StepLoss(feature=mean(feature), token=mean(token), distill=distill, top1=agree, count=count.detach())
@@ -332,9 +344,9 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     targets = pairs.targets[w]  # [P, H]
     q = target_distribution(head, targets)  # [P, V] (or [P, N])
     q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
+    teacher = Teacher(targets, q, q_argmax=q_argmax, draft_ids=head.draft_ids)
     picked = predicted[w]  # [P, H]
-    step = step_terms(picked, head.logits(picked), targets, q, torch.ones_like(w[w]), None, q_argmax=q_argmax,
-                      top1=cfg.top1, compiled=cfg.compile, draft_ids=head.draft_ids)
+    step = step_terms(picked, head.logits(picked), teacher, torch.ones_like(w[w]), cfg.top1, cfg.compile)
     return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
 
 
@@ -392,11 +404,9 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
     q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step (draft indices with a draft vocabulary)
     q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
-    terms = tuple(
-        step_terms(out[w], head.logits(out[w]), targets, q, t >= j - 1, cfg.topk, q_top, q_argmax, cfg.top1,
-                   cfg.compile, head.draft_ids)
-        for j, out in enumerate(outputs, start=1)
-    )
+    teacher = Teacher(targets, q, cfg.topk, q_top, q_argmax, head.draft_ids)
+    terms = tuple(step_terms(out[w], head.logits(out[w]), teacher, t >= j - 1, cfg.top1, cfg.compile)
+                  for j, out in enumerate(outputs, start=1))
     return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
 
 
