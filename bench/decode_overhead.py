@@ -59,9 +59,8 @@ class OracleTree:
             i += 1
         n = len(tokens)
         device = torch.device("cpu")
-        return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
-                         logp=-torch.arange(n, dtype=torch.float), entropy=torch.zeros(n),
-                         source=torch.tensor([-1] + [0] * (n - 1)))
+        return DraftTree.drafted(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
+                                 logp=-torch.arange(n, dtype=torch.float), entropy=torch.zeros(n), drafter=0)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ def tree_of(parents, tokens, logp=None, source=None):
     source = torch.tensor(source) if source else torch.tensor([-1] + [0] * (n - 1))
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
                      logp=torch.tensor(logp, dtype=torch.float) if logp else -torch.arange(n, dtype=torch.float),
-                     entropy=torch.zeros(n), source=source, sources=drafter_bits(source))
+                     entropy=torch.zeros(n), sources=drafter_bits(source))
 
 
 def one_hot_logits(argmaxes, vocab=V):

@@ -38,7 +38,7 @@ class StepStats:
     accepted: int  # accepted draft tokens (bonus excluded) this verifier call
     emitted: int  # tokens this step added to the output (accepted + bonus, after stop/budget cuts)
     tree_size: int  # nodes verified, root included
-    source: int  # drafter of the deepest accepted node; -1 if no draft token was accepted
+    source: int  # DraftTree.credited() of the deepest accepted node; -1 if no draft token was accepted
     draft_s: float  # proposing this tree + consuming the previous step's features
     target_s: float  # the target's tree forward
     other_s: float  # verification, commit, bookkeeping
@@ -52,7 +52,7 @@ class StepStats:
         """The record of one verified tree: provenance from the deepest accepted node's drafters."""
         deepest, drafted = int(acc.nodes[-1]), acc.accepted > 0
         return cls(accepted=acc.accepted, emitted=emitted, tree_size=tree.size,
-                   source=int(tree.source[deepest]) if drafted else -1, draft_s=draft_s, target_s=target_s,
+                   source=tree.credited(deepest) if drafted else -1, draft_s=draft_s, target_s=target_s,
                    other_s=other_s, sources=int(tree.sources[deepest]) if drafted else 0, info=info, trace=trace)
 
 

@@ -6,10 +6,10 @@ whose parent precedes it (parents[i] < i), so a single left-to-right pass over t
 ancestors before descendants. Everything else (depths, ancestor mask, paths, positions) derives
 from the parents array and is computed, never stored.
 
-Provenance is one required bitmask per node, `sources` (bit h: drafter h proposed it). `source`
-names the one drafter whose scores the node carries (of several that proposed it, the most
-confident): the drafter a step is credited to. A composition's tree also carries its members'
-own trees (`parts`), which the decoder hands back to the composition's observe().
+Provenance is one required bitmask per node, `sources` (bit h: drafter h proposed it); a step
+is credited to the lowest-numbered drafter of its deepest accepted node (`credited`), and the
+records keep the whole bitmask beside it. A composition's tree also carries its members' own
+trees (`parts`), which the decoder hands back to the composition's observe().
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ class DraftTree:
     parents: Tensor  # [N] long, -1 for the root, parents[i] < i otherwise
     logp: Tensor  # [N] float, cumulative draft log-prob along the path (0 at the root)
     entropy: Tensor  # [N] float, entropy of the draft distribution that proposed the node (0 at the root)
-    # [N] long, the drafter whose logp and entropy the node carries: the one that proposed it, or
-    # of several (a trie merge) the most confident; -1 at the root
-    source: Tensor
     sources: Tensor  # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root)
     # the member trees a composition drafted this step, in member order (None: a member that did
     # not draft), handed back to each member's observe(); () for a drafter's own tree
@@ -37,7 +34,7 @@ class DraftTree:
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for name in ("parents", "logp", "entropy", "source", "sources"):
+        for name in ("parents", "logp", "entropy", "sources"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"DraftTree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
         if n == 0 or int(self.parents[0]) != -1:
@@ -51,11 +48,10 @@ class DraftTree:
     # ----------------------------------------------------------------------------------------
     @classmethod
     def drafted(cls, tokens: Tensor, parents: Tensor, logp: Tensor, entropy: Tensor, drafter: int) -> "DraftTree":
-        """One drafter's tree: every node below the root proposed by `drafter`."""
+        """One drafter's tree: every node below the root proposed by `drafter` (-1: none, a root-only tree)."""
         source = torch.full_like(parents, drafter)
         source[0] = -1
-        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, source=source,
-                   sources=drafter_bits(source))
+        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, sources=drafter_bits(source))
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -67,6 +63,12 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    def credited(self, node: int) -> int:
+        """The drafter a step ending at `node` is credited to: the lowest-numbered one that proposed
+        it (-1 at the root). Of a trie merge's shared node, every proposer is in `sources`."""
+        mask = int(self.sources[node])
+        return (mask & -mask).bit_length() - 1
 
     def source_sets(self) -> list[list[int]]:
         """For each node, the indices of every drafter that proposed it (empty at the root)."""
@@ -171,9 +173,9 @@ def drafter_bits(source: Tensor) -> Tensor:
 
 # ---- merging the trees of several drafters (SPEC §4 merged trees, §7 trie and budget merges) ----
 # Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
-# attributed to drafter h (whatever their own `source` says). Output: one DraftTree whose nodes
-# keep the parents-before-children order, with `source` = one drafter per node and `sources` =
-# the bitmask of every drafter that proposed it. Positions are depths, so every merged node sits
+# attributed to drafter h (whatever their own `sources` say). Output: one DraftTree whose nodes
+# keep the parents-before-children order, with `sources` = the bitmask of every drafter that
+# proposed it. Positions are depths, so every merged node sits
 # at the same position as in the tree it came from.
 MAX_MERGED_TREES = 62  # sources is an int64 bitmask
 
@@ -201,8 +203,8 @@ def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
     """
     _merge_inputs(trees)
     first = trees[0]
-    tokens, parents, logp, entropy, source = [first.tokens[:1]], [first.parents[:1]], [first.logp[:1]], \
-        [first.entropy[:1]], [torch.full((1,), -1, dtype=torch.long, device=first.tokens.device)]
+    tokens, parents, logp, entropy, sources = [first.tokens[:1]], [first.parents[:1]], [first.logp[:1]], \
+        [first.entropy[:1]], [torch.zeros(1, dtype=torch.long, device=first.tokens.device)]
     offset = 0  # merged id of tree node j (j >= 1) is offset + j
     for h, tree in enumerate(trees):
         par = tree.parents[1:]  # [n_h]
@@ -210,11 +212,10 @@ def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
         parents.append(torch.where(par == 0, par, par + offset))
         logp.append(tree.logp[1:].to(first.logp.dtype))
         entropy.append(tree.entropy[1:].to(first.entropy.dtype))
-        source.append(torch.full_like(par, h))
+        sources.append(torch.full_like(par, 1 << h))
         offset += tree.size - 1
-    source_t = torch.cat(source)
     return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), logp=torch.cat(logp),
-                     entropy=torch.cat(entropy), source=source_t, sources=drafter_bits(source_t))
+                     entropy=torch.cat(entropy), sources=torch.cat(sources))
 
 
 def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
@@ -223,15 +224,15 @@ def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
     slot. Nodes appear in first-seen order (tree 0's nodes in its order, then tree 1's new ones, ...),
     so the trie of one tree, or of identical trees, is that tree.
 
-    A shared node takes logp (hence confidence), entropy and `source` from the drafter that scored
-    it highest (the first on ties); `sources` records every drafter that proposed it. With each
+    A shared node takes logp (hence confidence) and entropy from the drafter that scored it highest
+    (the first on ties); `sources` records every drafter that proposed it. With each
     input's scores non-increasing along paths, so are the merged ones (max over drafters of
     non-increasing sequences).
     """
     root = _merge_inputs(trees)
     device, fdtype = trees[0].tokens.device, trees[0].logp.dtype
     node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    tokens, parents, logp, entropy, source, mask = [root], [-1], [0.0], [0.0], [-1], [0]
+    tokens, parents, logp, entropy, mask = [root], [-1], [0.0], [0.0], [0]
     for h, tree in enumerate(trees):
         t_tok, t_par = tree.tokens.tolist(), tree.parents.tolist()
         t_logp, t_ent = tree.logp.tolist(), tree.entropy.tolist()
@@ -245,17 +246,16 @@ def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
                 parents.append(key[0])
                 logp.append(t_logp[j])
                 entropy.append(t_ent[j])
-                source.append(h)
                 mask.append(1 << h)
             else:
                 mask[m] |= 1 << h
                 if t_logp[j] > logp[m]:
-                    logp[m], entropy[m], source[m] = t_logp[j], t_ent[j], h
+                    logp[m], entropy[m] = t_logp[j], t_ent[j]
             merged[j] = m
     long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return DraftTree(tokens=long(tokens), parents=long(parents), logp=torch.tensor(logp, dtype=fdtype, device=device),
                      entropy=torch.tensor(entropy, dtype=trees[0].entropy.dtype, device=device),
-                     source=long(source), sources=long(mask))
+                     sources=long(mask))
 
 
 def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
@@ -267,7 +267,7 @@ def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
     if bool((new_parents[1:] < 0).any()):
         raise ValueError("keep_nodes: a kept node's parent was not kept")
     return DraftTree(tokens=tree.tokens[keep], parents=new_parents, logp=tree.logp[keep],
-                     entropy=tree.entropy[keep], source=tree.source[keep], sources=tree.sources[keep])
+                     entropy=tree.entropy[keep], sources=tree.sources[keep])
 
 
 def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:

@@ -9,8 +9,8 @@ outcome     new_tokens (incl. the token the prefill emits), verifier_calls (step
             prompt_tokens, reused_prefix, stop_reason, output (decoded text)
 per step    lists with one entry per verifier step (the prefill is not a step):
             accepted (draft tokens accepted, bonus excluded, before stop/budget cuts), emitted,
-            tree_size (nodes verified incl. root), source (drafter of the deepest accepted node,
-            -1 if none), sources (bitmask of every drafter that proposed it: merged trees), step_info (the proposer's record: route_chosen / route_scores,
+            tree_size (nodes verified incl. root), source (the drafter credited with the deepest accepted node:
+            the lowest-numbered that proposed it, -1 if none), sources (bitmask of every drafter that proposed it: merged trees), step_info (the proposer's record: route_chosen / route_scores,
             merge sizes), tree_confidence_mean / tree_entropy_mean (over the tree's non-root
             nodes, i.e. tree_size - 1 of them: the routing scores a head would get; None for a
             root-only tree), accepted_confidence /

@@ -75,7 +75,7 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
                    signal: str = "confidence", granularity: str = "step", merge_mode: str = "disjoint",
                    weights: Sequence[float] | None = None, policy: Callable[[], object] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
-    drafter index recorded in tree.source and in routing / merge logs), checked by the grammar's
+    drafter index: bit h of tree.sources, and the index in routing / merge logs), checked by the grammar's
     rules. `policy`: a factory of cost-aware tree policies (drafter/auto_tree.py), one per head;
     None drafts fixed trees."""
     where = f"--strategy {strategy}"

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from taps.propose.base import Proposer, ProposerGroup, StepInfo
-from taps.tree import DraftTree, drafter_bits
+from taps.tree import DraftTree
 
 
 def mean_confidence(tree: DraftTree) -> float:
@@ -110,10 +110,10 @@ class RoutedProposer(ProposerGroup):
             winner = self.decisions[-1].chosen
         self._step += 1
         tree = trees[winner]
-        source = torch.where(tree.source >= 0, torch.full_like(tree.source, winner), tree.source)  # [N]
+        sources = torch.where(tree.sources != 0, torch.full_like(tree.sources, 1 << winner), tree.sources)  # [N] the winner's bit
         # per turn, the losers are not kept in sync (the next start() re-encodes them)
         parts = tuple(t if i == winner or not self.per_turn else None for i, t in enumerate(trees))
-        return replace(tree, source=source, sources=drafter_bits(source), parts=parts)
+        return replace(tree, sources=sources, parts=parts)
 
     def _decide(self, trees: Sequence[DraftTree]) -> RouteDecision:
         """The decision of this step from every drafter's tree: the signal's best score."""

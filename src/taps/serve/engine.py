@@ -144,7 +144,7 @@ class _Tap:
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features) -> None:
         deepest = int(acceptance.nodes[-1])
-        source = int(tree.source[deepest]) if acceptance.accepted > 0 else -1
+        source = tree.credited(deepest) if acceptance.accepted > 0 else -1
         self.steps.append(_Step(acceptance.accepted, source, self._info))
         self.inner.observe(tree, acceptance, features)
         self._emit(acceptance.new_tokens)
