@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from taps.config import DecodeConfig, TreeConfig  # noqa: E402
+from taps.config import DecodeConfig  # noqa: E402
+from _random_target import add_tree_device_args, random_target  # noqa: E402
 from taps.decode import generate  # noqa: E402
 from taps.drafter.average import average_heads  # noqa: E402
 from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
 from taps.propose.factory import build_proposer  # noqa: E402
-from taps.target import Target, resolve_device  # noqa: E402
-from taps.testing import bench_model  # noqa: E402
 
 STRATEGIES = {
     "single": dict(strategy="single"),
@@ -58,19 +58,10 @@ def main() -> None:
     ap.add_argument("--fit-sequences", type=int, default=32, help="greedy continuations each head is fitted on")
     ap.add_argument("--perturb", type=float, default=0.1, help="per-head noise, relative to each parameter's std")
     ap.add_argument("--independent", action="store_true", help="fit every head on its own prompts, no shared base")
-    ap.add_argument("--total-tokens", type=int, default=60)
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave the default)")
+    add_tree_device_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    device = resolve_device(args.device)
-    model = bench_model(args.arch, args.hidden, args.layers, args.vocab).to(device)
-    target = Target(model)
-    tree = TreeConfig(args.total_tokens, args.depth, args.top_k)
+    device, target, tree = random_target(args)
+    model = target.model
 
     def random_prompts(n, length, seed):
         g = torch.Generator().manual_seed(seed)

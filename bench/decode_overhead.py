@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from taps.config import DecodeConfig, TreeConfig  # noqa: E402
+from _random_target import add_tree_device_args, random_target  # noqa: E402
 from taps.decode import generate  # noqa: E402
 from taps.drafter.checkpoint import init_head  # noqa: E402
+from taps.propose.base import StepInfo  # noqa: E402
 from taps.propose.single import SingleProposer  # noqa: E402
-from taps.target import Target, resolve_device  # noqa: E402
-from taps.testing import bench_model  # noqa: E402
 from taps.tree import DraftTree  # noqa: E402
 
 
@@ -41,8 +42,11 @@ class OracleTree:
     def start(self, features, tokens):
         self.seq = tokens.tolist()
 
-    def observe(self, acceptance, features):
+    def observe(self, tree, acceptance, features):
         self.seq += acceptance.new_tokens
+
+    def step_info(self) -> StepInfo:
+        return StepInfo()
 
     def propose(self) -> DraftTree:
         true = self.reference[len(self.seq):len(self.seq) + self.tree.depth]
@@ -72,19 +76,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--total-tokens", type=int, default=60)
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave the default)")
+    add_tree_device_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    device = resolve_device(args.device)
-    model = bench_model(args.arch, args.hidden, args.layers, args.vocab).to(device)
-    target = Target(model)
-    tree = TreeConfig(args.total_tokens, args.depth, args.top_k)
+    device, target, tree = random_target(args)
+    model = target.model
     head = init_head(model.config, seed=1).to(device).bind(target.embed_tokens, target.lm_head)
     prompt = torch.randint(0, args.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = DecodeConfig(max_new_tokens=args.new_tokens)
