@@ -16,6 +16,14 @@ exp(logp) is a calibrated estimate, and `rank` orders the continuations. A node'
 binary entropy of q (the draft is deterministic; this keeps the entropy router's scale). With no
 match the tree is the root alone: one step of plain decoding.
 
+With a datastore (propose/datastore.py: a corpus of the target's own earlier answers, REST's
+retrieval), the datastore's most frequent continuations of the context's longest matching suffix
+(n = store_max_ngram..store_min_ngram) fill the rest of the tree after prompt lookup's, in the
+same trie (a path both propose is one node), scored
+  logp(node) = depth * log(q) + log(share)
+where share is the fraction of the datastore's occurrences that continue with the node's path
+(REST's frequency). `prompt=False` drafts from the datastore alone.
+
 An incremental index (n-gram -> positions that follow it) makes each proposal O(matches), not
 O(sequence length). Verification is unchanged, so decoding stays lossless (SPEC §3).
 """
@@ -29,17 +37,26 @@ from torch import Tensor
 
 from taps.config import TreeConfig
 from taps.propose.base import StepInfo
+from taps.propose.datastore import Datastore
 from taps.tree import DraftTree
 from taps.verify import Acceptance
 
 
 class LookupProposer:
-    def __init__(self, tree: TreeConfig = TreeConfig(), max_ngram: int = 3, min_ngram: int = 1, source: int = 0):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    def __init__(self, tree: TreeConfig = TreeConfig(), max_ngram: int = 3, min_ngram: int = 1, source: int = 0,
+                 datastore: Datastore | None = None, prompt: bool = True, store_max_ngram: int = 3,
+                 store_min_ngram: int = 1, max_matches: int = 512, store_nodes: int | None = None):
+        for lo, hi in ((min_ngram, max_ngram), (store_min_ngram, store_max_ngram)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
+        if not prompt and datastore is None:
+            raise ValueError("a lookup drafter without prompt lookup needs a datastore")
         self.tree = tree
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.source = source
+        self.datastore, self.prompt = datastore, prompt
+        self.store_ngram, self.max_matches = (store_max_ngram, store_min_ngram), max_matches
+        self.store_nodes = store_nodes  # at most this many datastore nodes per tree (None: the rest of the budget)
         self.accepted, self.tried = 1.0, 2.0  # Beta(1, 1): q starts at 0.5
         self._seq: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
@@ -83,21 +100,38 @@ class LookupProposer:
             raise RuntimeError("propose() before start()")
         log_q = math.log(self.q)
         h_q = -(self.q * log_q + (1 - self.q) * math.log(max(1 - self.q, 1e-12)))
-        tokens, parents, logp = [self._seq[-1]], [-1], [0.0]
+        tokens, parents, logp, depth = [self._seq[-1]], [-1], [0.0], [0]
         child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         budget = self.tree.total_tokens - 1
-        for rank, cont in enumerate(self.continuations()):
+
+        def add(node: int, token: int, score_of_depth) -> int | None:
+            """The child of `node` for `token` (made if the budget allows; None if not)."""
+            if (node, token) in child:
+                return child[(node, token)]
+            if len(tokens) - 1 == budget:
+                return None
+            tokens.append(token)
+            parents.append(node)
+            depth.append(depth[node] + 1)
+            logp.append(score_of_depth(depth[-1]))
+            child[(node, token)] = len(tokens) - 1
+            return len(tokens) - 1
+
+        for rank, cont in enumerate(self.continuations() if self.prompt else []):
             node = 0
-            for d, token in enumerate(cont, 1):
-                if (node, token) in child:
-                    node = child[(node, token)]
-                    continue
-                if len(tokens) - 1 == budget:
+            for token in cont:
+                node = add(node, token, lambda d: d * log_q - math.log(rank + 1))
+                if node is None:
                     break
-                tokens.append(token)
-                parents.append(node)
-                logp.append(d * log_q - math.log(rank + 1))
-                child[(node, token)] = node = len(tokens) - 1
+        if self.datastore is not None and len(tokens) - 1 < budget:
+            placed: list[int | None] = []  # the tree node of each datastore node (None: left out)
+            if self.store_nodes is not None:
+                budget = min(budget, len(tokens) - 1 + self.store_nodes)
+            for found in self.datastore.draft(self._seq, budget, self.tree.depth, *self.store_ngram,
+                                              max_matches=self.max_matches):
+                up = 0 if found.parent < 0 else placed[found.parent]
+                log_share = math.log(found.share)
+                placed.append(None if up is None else add(up, found.token, lambda d: d * log_q + log_share))
         return DraftTree.drafted(
             tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
