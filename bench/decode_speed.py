@@ -15,6 +15,9 @@ alike; the first prompt of each is a warm-up and is not counted):
   routed auto        confidence routing between the math and chat heads, auto trees
   merged-budget auto the budget merge of the math and chat heads, auto trees
   HEAD+lookup auto   the budget merge of the head and the lookup drafter
+and, with --datastore DIR (a `taps lookup build` datastore of the target's own answers):
+  lookup+datastore            the lookup drafter, a datastore filling the rest of its tree (REST)
+  HEAD+lookup+datastore auto  the budget merge of the head and that lookup drafter
 
 Greedy outputs are compared with our plain decoding: exact in float32; in bf16 a tree forward
 and a one-token forward round differently, so a near-tie can flip a token, and the count of
@@ -23,10 +26,13 @@ answers that differ is printed, not hidden.
     python bench/decode_speed.py [--target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters
         --head eagle2-mixed-large --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
         --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data
-        --out runs/bench/decode-speed.jsonl [--fresh]]
+        --out runs/bench/decode-speed.jsonl [--fresh] [--datastore DIR --datastore-nodes 8]]
 
 Every decode is appended to --out as one JSON line, a question's decoders together: a killed run
 resumes at the next question (the settings must match), and the tables are printed from the file.
+A run with --datastore records the datastore (its digest) and the node cap among its settings; a
+run without it records neither, so earlier records resume as before (and a datastore run needs its
+own --out: its decoders are timed interleaved with the others, question by question).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from taps.drafter.checkpoint import load_head  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic  # noqa: E402
 from taps.profile import auto_tree_policy  # noqa: E402
-from taps.propose.factory import LookupSpec, build_proposer  # noqa: E402
+from taps.propose.factory import LookupSpec, build_proposer, load_datastore  # noqa: E402
 from taps.target import Target  # noqa: E402
 
 PAPER, SMALL, AUTO_CAPS = TreeConfig(60, 5, 10), TreeConfig(16, 5, 4), TreeConfig(96, 8, 8)
@@ -137,6 +143,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/decode-speed.jsonl",
                     help="one JSON line per decode; a rerun with the same settings resumes")
     ap.add_argument("--fresh", action="store_true", help="discard the records in --out and start over")
+    ap.add_argument("--datastore", help="a `taps lookup build` directory: adds the lookup+datastore decoders")
+    ap.add_argument("--datastore-nodes", type=int, default=8,
+                    help="at most this many datastore nodes per lookup tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -159,6 +168,12 @@ def main() -> None:
         f"{args.head}+lookup auto": lambda: build_proposer("merge", {"h": head, "lookup": LookupSpec()}, AUTO_CAPS,
                                                            merge_mode="budget", policy=policy),
     }
+    if args.datastore:
+        store = load_datastore(args.datastore, target)
+        with_store = LookupSpec(datastore=store, store_nodes=args.datastore_nodes)
+        decoders["lookup+datastore"] = lambda: build_proposer("single", {"lookup": with_store}, LOOKUP_TREE)
+        decoders[f"{args.head}+lookup+datastore auto"] = lambda: build_proposer(
+            "merge", {"h": head, "lookup": with_store}, AUTO_CAPS, merge_mode="budget", policy=policy)
     if args.only:
         keep = set(args.only.split(","))
         decoders = {k: v for k, v in decoders.items() if k in keep or k == "plain"}
@@ -168,6 +183,8 @@ def main() -> None:
     out = Path(args.out)
     settings = {"target": target.name, "dtype": args.dtype, "threads": args.threads, "head": args.head,
                 "math": args.math, "chat": args.chat, "new_tokens": args.new_tokens}
+    if args.datastore:  # only then: the settings of earlier runs stay what they were
+        settings.update(datastore=store.manifest["digest"], datastore_nodes=args.datastore_nodes)
     done = open_records(out, settings, args.fresh)
     if done:
         print(f"{out}: resuming, {len(done)} decodes already measured", file=sys.stderr)

@@ -74,8 +74,19 @@ def ws(tmp_path_factory):
              ["eval", "--target", t, "--variant", "base=baseline", "--variant", f"d={ws / 'd'}", "--bench",
               f"toy={ws / 'q.jsonl'}", "--out", str(ws / "results"), "--max-new-tokens", "4", "--device", "cpu",
               "--total-tokens", "6", "--depth", "2", "--top-k", "2", "--no-progress"]]
+    steps.append(["lookup", "build", "--records", str(ws / "data.jsonl"), "--target", t, "--out", str(ws / "ds")])
     for argv in steps:
         assert main(argv) == 0, argv
+    shutil.copytree(ws / "ds", ws / "ds-other")  # a datastore of another tokenizer
+    manifest = json.loads((ws / "ds-other" / "datastore.json").read_text())
+    (ws / "ds-other" / "datastore.json").write_text(json.dumps({**manifest, "target": "other-model",
+                                                                "tokenizer_fingerprint": "sha256:" + "0" * 32}))
+    shutil.copytree(ws / "ds", ws / "ds-cut")  # tokens that are not the ones the manifest describes
+    for index in (ws / "ds-cut").glob("index-*.npy"):
+        index.unlink()
+    tokens = bytearray((ws / "ds-cut" / "tokens.npy").read_bytes())
+    tokens[-8] ^= 1
+    (ws / "ds-cut" / "tokens.npy").write_bytes(bytes(tokens))
     return ws
 
 
@@ -104,6 +115,7 @@ EVAL = ["eval", "--target", T, "--variant", "base=baseline", "--variant", "d={ws
         "--no-progress"]
 MIX = ["data", "mix", "--out", "{ws}/mixed.jsonl", "--source"]
 AVG = ["average", "--drafter", "a={ws}/d", "--drafter", "b={ws}/d2"]
+LOOKUP = ["lookup", "build", "--records", "{ws}/data.jsonl", "--target", T, "--out", "{ws}/dsx"]
 
 # (case id, argv, what the one error line must name)
 CASES = [
@@ -130,6 +142,20 @@ CASES = [
     ("generate-variant-and-drafter", GEN + ["--variant", "{ws}/d", "--drafter", "{ws}/d2"], ["--variant", "--drafter"]),
     ("generate-route-one-drafter", GEN + ["--drafter", "{ws}/d", "--strategy", "route"],
      ["--strategy route", "at least two drafters, got 1"]),
+    ("generate-lookup-missing-datastore", GEN + ["--variant", "lookup+{ws}/nods"], ["nods", "not a datastore"]),
+    ("generate-datastore-other-tokenizer", GEN + ["--variant", "lookup+{ws}/ds-other"],
+     ["ds-other", "'other-model'", "tokenizer"]),
+    ("generate-datastore-corrupt-tokens", GEN + ["--drafter", "{ws}/ds-cut"], ["ds-cut/tokens.npy", "digest"]),
+    # lookup build
+    ("lookup-build-missing-records", LOOKUP + ["--records", "{ws}/nodata.jsonl"], ["--records", "nodata.jsonl"]),
+    ("lookup-build-bad-json", LOOKUP + ["--records", "{ws}/data.jsonl,{ws}/bad.jsonl"], ["bad.jsonl:1"]),
+    ("lookup-build-latin1", LOOKUP + ["--records", "{ws}/latin1.jsonl"], ["latin1.jsonl:2", "UTF-8"]),
+    ("lookup-build-not-records", LOOKUP + ["--records", "{ws}/q.jsonl"], ["q.jsonl:1", "conversations"]),
+    ("lookup-build-no-answers", LOOKUP + ["--records", "{ws}/empty.jsonl"], ["empty.jsonl", "no assistant turns"]),
+    ("lookup-build-out-holds-a-drafter", opts(LOOKUP, out="{ws}/d"), ["--out {ws}/d", "other files"]),
+    ("lookup-build-out-is-file", opts(LOOKUP, out="{ws}/afile"), ["afile"]),
+    ("lookup-build-index-depth-0", LOOKUP + ["--index-depth", "0"], ["--index-depth 0"]),
+    ("lookup-build-missing-target", opts(LOOKUP, target="{ws}/nope"), ["nope"]),
     # drafter
     ("drafter-init-out-is-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile"], ["afile"]),
     ("drafter-init-out-under-file", ["drafter", "init", "--target", T, "--out", "{ws}/afile/d"], ["afile"]),

@@ -52,8 +52,10 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode a prompt, speculatively with --drafter or plainly without")
     p.add_argument("--target", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--drafter", action="append", type=propose_commands.parse_named_drafter, metavar="[NAME=]DIR",
-                   help="drafter directory (EAGLE layout), or `lookup` (prompt lookup, model-free); repeat to "
-                        "combine several with --strategy; omit (and --variant) for plain decoding")
+                   help="drafter directory (EAGLE layout), or `lookup` (prompt lookup, model-free), `lookup+STORE` "
+                        "(prompt lookup, then the datastore STORE of `taps lookup build`) or a datastore "
+                        "directory (the datastore alone); repeat to combine several with --strategy; omit "
+                        "(and --variant) for plain decoding")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered through the chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
@@ -195,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(sub)
     _add_profile(sub)
     data_commands.register(sub)
+    data_commands.register_lookup(sub)
     propose_commands.register(sub)
     train_commands.register(sub)
     eval_commands.register(sub)

@@ -1,13 +1,16 @@
-"""The `taps data` subcommands: they parse arguments and call `taps.data` functions, nothing more."""
+"""The `taps data` subcommands, and `taps lookup build` (the lookup drafter's datastore, built from
+data): they parse arguments and call `taps.data` functions, nothing more."""
 
 from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import add_settings, device_arg, settings_from
+from taps.cli_args import add_settings, comma_list, device_arg, settings_from
+from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
 from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
+from taps.propose.datastore import INDEX_DEPTH
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,4 +52,26 @@ def _mix(args: argparse.Namespace) -> int:
 def _regenerate(args: argparse.Namespace) -> int:
     print(regenerate_file(args.target, args.data, args.out, settings_from(RegenerateSettings, args), args.drafter,
                           args.device, args.dtype, endpoint=args.endpoint, via=settings_from(EndpointSettings, args)))
+    return 0
+
+
+def register_lookup(subparsers: argparse._SubParsersAction) -> None:
+    """Add `taps lookup build`: the datastore that `lookup+STORE` drafts from (propose/datastore.py)."""
+    lookup = subparsers.add_parser("lookup", help="the lookup drafter's datastore: the target's own answers, "
+                                                  "retrieved as drafts (REST)")
+    lsub = lookup.add_subparsers(dest="lookup_command", required=True)
+    build = lsub.add_parser("build", help="tokenize the assistant turns of chat records (e.g. `taps data regenerate` "
+                                          "output) into a datastore directory; use it as `--variant lookup+DIR`")
+    build.add_argument("--records", required=True, type=comma_list, metavar="FILE[,FILE...]",
+                       help="JSONL files of {\"conversations\": [{role, content}, ...]} records")
+    build.add_argument("--target", required=True, help="the target whose tokenizer and chat template render the "
+                                                       "answers (model directory, .gguf file or known name)")
+    build.add_argument("--out", required=True, help="datastore directory (written, or overwritten)")
+    build.add_argument("--index-depth", type=int, default=INDEX_DEPTH,
+                       help="the longest n-gram the index matches (its sort depth)")
+    build.set_defaults(func=_lookup_build)
+
+
+def _lookup_build(args: argparse.Namespace) -> int:
+    print(build_datastore(args.records, args.target, args.out, args.index_depth))
     return 0

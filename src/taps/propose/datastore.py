@@ -7,17 +7,18 @@ A datastore is a directory:
                      preceded by SEP (-1); SEP never matches a token, so no n-gram or continuation
                      crosses a segment boundary
     index-K.npy      int32: every corpus position sorted by the K tokens that start there (a suffix
-                     array cut at depth K), made at the first load and kept beside the tokens
-                     (rebuilt when the tokens' digest changes), memory-mapped afterwards
+                     array cut at depth K), made at the first load (after checking the tokens
+                     against the manifest's digest) and kept beside them, memory-mapped
+                     afterwards; a rebuild of the datastore deletes it
 data/datastore.py builds one from chat records (`taps lookup build`).
 
 Drafting: for n = max_ngram down to min_ngram, the positions that follow the context's last n
 tokens are one contiguous range of the index (two binary searches); the longest n that occurs
-(followed by something: not only at segments' ends) is used. Within that range positions are sorted by what follows them, so the continuations (up to
-`depth` tokens) form a trie whose node counts are run lengths: a node's count is how many
-occurrences continue with its path. Up to `max_matches` occurrences, evenly spaced over the range,
-are read (the spacing keeps the proportions), and the nodes with the highest counts are kept,
-parents before children (a child never counts more than its parent): REST's most frequent
+(followed by something: not only at segments' ends) is used. Within that range positions are
+sorted by what follows them, so the continuations (up to `depth` tokens) form a trie whose node
+counts are run lengths: a node's count is how many occurrences continue with its path. Up to
+`max_matches` occurrences, evenly spaced over the range, are read (the spacing keeps the
+proportions), and the nodes with the highest counts are kept, parents before children (a child never counts more than its parent): REST's most frequent
 continuations. Each node carries its share of the occurrences (count / occurrences read), which
 the lookup drafter turns into a node score.
 """

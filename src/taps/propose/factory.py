@@ -9,8 +9,9 @@ a signal or a function.
                                                           signal bandit: BanditRouter(granularity, learned state)
     merge    one verification of the merged trees         MergedProposer(merge mode)
 
-A member is an EAGLE head, or a `LookupSpec` (prompt lookup, propose/lookup.py): a model-free
-drafter that routes and merges like any head (it cannot be weight-averaged). HeadPool loads each
+A member is an EAGLE head, or a `LookupSpec` (propose/lookup.py: prompt lookup, a datastore of
+the target's own answers (propose/datastore.py), or both): a model-free drafter that routes and
+merges like any head (it cannot be weight-averaged). HeadPool loads each
 drafter directory once and builds a fresh proposer per conversation (compositions keep per-turn
 state), averaging each set of heads once; it keeps each route-bandit variant's learned state
 (propose/bandit.BanditState) for the proposers of that variant, so learning outlives a
@@ -31,11 +32,13 @@ from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
 from taps.propose.bandit import BANDIT, BanditRouter, BanditState
 from taps.propose.base import PlainProposer, Proposer
+from taps.propose.datastore import Datastore, DatastoreError, is_datastore
 from taps.propose.lookup import LookupProposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
-from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError
+from taps.propose.spec import LOOKUP_STORE, VariantSpec, VariantSpecError, is_lookup
+from taps.target import tokenizer_fingerprint
 from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
 
 Merge = Callable[[Sequence[DraftTree]], DraftTree]
@@ -51,23 +54,58 @@ MERGES: dict[str, Callable[[TreeConfig], Merge]] = {
 
 @dataclass(frozen=True)
 class LookupSpec:
-    """A prompt-lookup member: n-gram sizes tried, longest first."""
+    """A lookup member: prompt lookup (n-gram sizes tried, longest first), a datastore, or both
+    (prompt lookup first, then up to `store_nodes` of the datastore's nodes)."""
 
     max_ngram: int = 3
     min_ngram: int = 1
+    datastore: Datastore | None = None
+    prompt: bool = True  # False: the datastore alone
+    store_max_ngram: int = 3  # bench/datastore_hit_rate.py: 3..1 drafts as well as 8..1 on SmolLM2's answers
+    store_min_ngram: int = 1
+    store_nodes: int | None = 8  # at most this many datastore nodes per tree (None: the tree's whole budget);
+    # on MT-Bench 8 keep most of the acceptance (tau 2.03 vs 2.09 with 31 in a 32-node tree) at half the nodes
+
+
+def load_datastore(path: str | Path, target=None) -> Datastore:
+    """A datastore directory, checked against the target: built with its tokenizer (when both say
+    which), no token id past its vocabulary."""
+    path = Path(path)
+    if not is_datastore(path):
+        raise DatastoreError(f"{path}: not a datastore (no datastore.json); build one with "
+                             "`taps lookup build --records FILE.jsonl --target T --out DIR`")
+    store = Datastore.load(path)
+    tokenizer = getattr(target, "tokenizer", None)
+    built_for = store.manifest.get("tokenizer_fingerprint")
+    if tokenizer is not None and built_for is not None:
+        if tokenizer_fingerprint(tokenizer) != built_for:
+            raise DatastoreError(f"{path}: built with the tokenizer of {store.manifest.get('target')!r}, which is not "
+                                 f"this target's; rebuild it with `taps lookup build --target ...` for this target")
+    vocab = getattr(getattr(target, "config", None), "vocab_size", None)
+    if vocab is not None and store.manifest.get("max_token", -1) >= vocab:
+        raise DatastoreError(f"{path}: holds token id {store.manifest['max_token']}, past this target's vocabulary "
+                             f"of {vocab}")
+    return store
 
 
 def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
-    """A member named on a command line or in a config: `lookup` (unless a directory of that name
-    exists) is prompt lookup; anything else is a drafter directory, loaded strictly for the target."""
-    if path == LOOKUP and not Path(path).is_dir():
-        return LookupSpec()
+    """A member named on a command line or in a config: `lookup` is prompt lookup, `lookup+STORE`
+    prompt lookup with the datastore STORE (unless a directory of that name exists); a datastore
+    directory is the datastore alone; anything else is a drafter directory, loaded strictly for the
+    target."""
+    if is_lookup(path):
+        return LookupSpec() if not path.startswith(LOOKUP_STORE) else \
+            LookupSpec(datastore=load_datastore(path[len(LOOKUP_STORE):], target))
+    if is_datastore(path):
+        return LookupSpec(datastore=load_datastore(path, target), prompt=False)
     return load_head(path, target, **head_options)
 
 
 def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, policy=None) -> Proposer:
     if isinstance(member, LookupSpec):
-        return LookupProposer(tree, member.max_ngram, member.min_ngram, source=source)
+        return LookupProposer(tree, member.max_ngram, member.min_ngram, source=source, datastore=member.datastore,
+                              prompt=member.prompt, store_max_ngram=member.store_max_ngram,
+                              store_min_ngram=member.store_min_ngram, store_nodes=member.store_nodes)
     return SingleProposer(member, tree, source=source, policy=policy() if policy is not None else None)
 
 
@@ -97,7 +135,8 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
         lookups = [n for n in names if isinstance(heads[n], LookupSpec)]
         if lookups:
             raise VariantSpecError(f"{where or f'variant {spec.name!r}'}: average combines head weights; "
-                                   f"{', '.join(lookups)} is prompt lookup, which has none (route or merge it instead)")
+                                   f"{', '.join(lookups)} is prompt lookup or a datastore, which has none "
+                                   "(route or merge it instead)")
         head = average() if average is not None else average_heads(list(heads.values()), spec.weights)
         return _member(head, tree, 0, policy)
     if spec.strategy == "single":

@@ -10,10 +10,19 @@ SPEC (shell-safe, no quoting needed):
                                            drafters a single number l means l*A + (1-l)*B)
     route[-confidence|-entropy|-bandit][-step|-turn]:A,B,...   routing (default confidence, step)
     merge[-disjoint|-trie|-budget]:A,B,...             merged trees (default disjoint)
-where each member A is `[name=]DIR` (the name defaults to the directory's name), or `lookup`:
-prompt lookup, the model-free drafter (propose/lookup.py; it routes and merges, it cannot be
-averaged; a directory named `lookup` still means the directory). In a YAML config a variant is
-either such a string or a mapping with the same fields as VariantSpec.
+where each member A is `[name=]DIR` (the name defaults to the directory's name), or a lookup
+drafter, model-free (propose/lookup.py; it routes and merges, it cannot be averaged):
+    lookup             prompt lookup: continuations of the context's last n-grams in the prompt
+                       and the output so far
+    lookup+STORE       prompt lookup first, then a datastore (STORE: a directory written by
+                       `taps lookup build` from the target's own answers, propose/datastore.py)
+                       adds its most frequent continuations (REST; up to 8 nodes a tree)
+    STORE              a datastore directory as a member (a DIR holding datastore.json): the
+                       datastore alone
+A directory named `lookup` (or `lookup+...`) still means the directory. `lookup` and
+`lookup+STORE` are named lookup unless named (`ds=lookup+STORE`); e.g.
+`merge-budget:head=models/d/eagle2-mixed-large,lookup+runs/datastore`.
+In a YAML config a variant is either such a string or a mapping with the same fields as VariantSpec.
 
 Every mistake is a VariantSpecError (a ValueError: the CLI exits with code 2) of one line that
 names the spec and what was expected. Torch-free: parsing arguments loads no model code.
@@ -45,13 +54,16 @@ MERGE_MODES = {
     "budget": "the trie reranked by confidence to the single-tree --total-tokens",
 }
 LOOKUP = "lookup"  # the member that means prompt lookup instead of a drafter directory
+LOOKUP_STORE = LOOKUP + "+"  # `lookup+STORE`: prompt lookup, then the datastore STORE
 COMBINING = ("average", "route", "merge")  # strategies of two drafters or more
 # each option field: its label in messages, its names, and the strategy whose SPEC words they are
 OPTIONS = {"signal": ("routing signal", SIGNALS, "route"), "granularity": ("routing granularity", GRANULARITIES, "route"),
            "merge_mode": ("merge mode", MERGE_MODES, "merge")}
 MAPPING_KEYS = ("strategy", "drafters", "signal", "granularity", "merge_mode", "weights")
 SPEC_HELP = ("baseline | DIR | average[-W...]:A,B | route[-" + "|-".join(SIGNALS) + "][-" + "|-".join(GRANULARITIES)
-             + "]:A,B | merge[-" + "|-".join(MERGE_MODES) + "]:A,B, where A, B are [name=]DIR or " + LOOKUP)
+             + "]:A,B | merge[-" + "|-".join(MERGE_MODES) + "]:A,B, where A, B are [name=]DIR, " + LOOKUP
+             + " (prompt lookup) or " + LOOKUP_STORE + "STORE (prompt lookup, then a datastore); a datastore directory "
+             "as DIR drafts from it alone")
 
 
 class VariantSpecError(ValueError):
@@ -118,12 +130,18 @@ def check_spec(spec: VariantSpec, where: str) -> None:
             fail(str(err))
 
 
+def is_lookup(path: str) -> bool:
+    """`lookup` or `lookup+STORE` (unless a directory of that name exists)."""
+    return (path == LOOKUP or (path.startswith(LOOKUP_STORE) and len(path) > len(LOOKUP_STORE))) \
+        and not Path(path).is_dir()
+
+
 def parse_member(text: str, where: str) -> tuple[str, str]:
     """'[name=]DIR' -> (name, DIR): a bare DIR, or a path that exists even if it holds '=', is named
-    after its last component; `lookup` is named lookup."""
+    after its last component; `lookup` and `lookup+STORE` are named lookup."""
     name, sep, path = text.partition("=")
     if not sep or "/" in name or Path(text).exists():
-        name, path = Path(text.rstrip("/")).name, text
+        name, path = (LOOKUP if is_lookup(text) else Path(text.rstrip("/")).name), text
     if not name or not path:
         raise VariantSpecError(f"{where}: drafter {text!r} is not [name=]DIR")
     return name, path
