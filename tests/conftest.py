@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from taps.drafter.checkpoint import init_head
 from taps.target import Target
 from taps.testing import ARCHITECTURES, tiny_model, tiny_tokenizer, write_tiny_target
 
@@ -17,6 +18,14 @@ torch.set_num_threads(1)  # the machines have 2 cores; keep results deterministi
 @functools.lru_cache(maxsize=None)
 def cached_model(arch: str, attn: str = "sdpa", seed: int = 0):
     return tiny_model(arch, seed=seed, attn_implementation=attn)
+
+
+def llama_with_head(seed: int = 1):
+    """(model, Target, an untrained head bound to it) on the cached tiny Llama: the setting of the
+    lossless-composition tests of the model-free drafters."""
+    model = cached_model("llama")
+    target = Target(model)
+    return model, target, init_head(model.config, seed=seed).bind(target.embed_tokens, target.lm_head)
 
 
 @pytest.fixture(scope="session")

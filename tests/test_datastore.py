@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cached_model, hf_greedy
+from conftest import cached_model, hf_greedy, llama_with_head
 from taps.cli import main
 from taps.config import DecodeConfig, TreeConfig
 from taps.data.datastore import assistant_segments, build_datastore
 from taps.decode import chat_ids, generate
-from taps.drafter.checkpoint import init_head
 from taps.propose.datastore import SEP, Datastore, build_index, trie_nodes
 from taps.propose.factory import HeadPool, LookupSpec, build_proposer, load_member
 from taps.propose.lookup import LookupProposer
@@ -129,9 +128,7 @@ def test_greedy_with_the_datastore_is_lossless_and_accepts_its_answers(arch):
                                   dict(strategy="merge", merge_mode="disjoint"),
                                   dict(strategy="merge", merge_mode="budget")])
 def test_the_datastore_composed_with_a_head_is_lossless(spec):
-    model = cached_model("llama")
-    target = Target(model)
-    head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    model, target, head = llama_with_head()
     store = own_answers(model, [PROMPT[:4], [20, 21, 22]])
     proposer = build_proposer(heads={"head": head, "lookup": LookupSpec(datastore=store)}, tree=ARCH_TREE, **spec)
     result = generate(target, proposer, PROMPT, DecodeConfig(max_new_tokens=32))

@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from conftest import cached_model, hf_greedy
+from conftest import cached_model, hf_greedy, llama_with_head
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import generate
-from taps.drafter.checkpoint import init_head
 from taps.propose.factory import LookupSpec, build_proposer
 from taps.propose.lookup import LookupProposer
 from taps.target import Target
@@ -93,9 +92,7 @@ def test_greedy_lookup_is_lossless_and_accepts_repeats(arch):
                                   dict(strategy="merge", merge_mode="trie"),
                                   dict(strategy="merge", merge_mode="budget")])
 def test_lookup_composed_with_a_head_is_lossless(spec):
-    model = cached_model("llama")
-    target = Target(model)
-    head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    model, target, head = llama_with_head()
     proposer = build_proposer(heads={"head": head, "lookup": LookupSpec()}, tree=ARCH_TREE, **spec)
     prompt = loop_prompt()
     result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=32))
@@ -103,9 +100,7 @@ def test_lookup_composed_with_a_head_is_lossless(spec):
 
 
 def test_lookup_cannot_be_averaged():
-    model = cached_model("llama")
-    target = Target(model)
-    head = init_head(model.config, seed=1).bind(target.embed_tokens, target.lm_head)
+    model, target, head = llama_with_head()
     with pytest.raises(ValueError, match="lookup is prompt lookup"):
         build_proposer("average", heads={"head": head, "lookup": LookupSpec()})
 
