@@ -196,3 +196,22 @@ def test_two_processes_match_one(tmp_path, target, target_dir, features):
     two_log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
                if "heldout_loss" in x]
     assert [round(x["heldout_loss"], 5) for x in one_log] == [round(x["heldout_loss"], 5) for x in two_log]
+
+
+def test_cli_keeps_every_epochs_head(tmp_path, target_dir, features):
+    """`taps train --keep-epoch-heads`: each finished epoch leaves a loadable head, so a run cut short
+    (a time limit on a lent GPU) still leaves its last epoch's; the last one equals the final head."""
+    from taps.cli import main
+
+    out = tmp_path / "head"
+    assert main(["train", "--backbone", "eagle2", "--target", str(target_dir), "--features", str(features),
+                 "--out", str(out), "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "--warmup-steps", "2",
+                 "--keep-epoch-heads", "--cpu"]) == 0
+    kept = sorted(p.name for p in (out / "epochs").iterdir())
+    assert kept == ["epoch-01", "epoch-02"]
+    first, last, final = weights(out / "epochs" / "epoch-01"), weights(out / "epochs" / "epoch-02"), weights(out)
+    assert all(torch.equal(last[k], final[k]) for k in final)
+    assert any(not torch.equal(first[k], final[k]) for k in final)
+    assert main(["train", "--backbone", "eagle2", "--target", str(target_dir), "--features", str(features),
+                 "--out", str(tmp_path / "plain"), "--epochs", "1", "--batch-size", "4", "--cpu"]) == 0
+    assert not (tmp_path / "plain" / "epochs").exists()

@@ -85,7 +85,8 @@ class TrainConfig:
         None, "draft over the N most frequent target tokens of the training data (EAGLE-3's reduced vocabulary; the "
               "target's stop tokens always included): [.., N] instead of [.., V] LM-head terms; default: the full "
               "vocabulary", at_least=1, metavar="N")
-    keep_epoch_heads: bool = False  # also write each epoch's head to OUT/epochs/epoch-NN (learning curves)
+    keep_epoch_heads: bool = setting(  # learning curves; a run cut short still leaves its last finished epoch's head
+        False, "also write each epoch's head to OUT/epochs/epoch-NN")
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:
