@@ -40,7 +40,7 @@ from taps.decode import chat_ids  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
 from taps.jsonl import read_json_lines, read_jsonl  # noqa: E402
 from taps.propose.datastore import MANIFEST, Datastore  # noqa: E402
-from taps.propose.lookup import LookupProposer  # noqa: E402
+from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: E402
 from taps.verify import Acceptance  # noqa: E402
 
 COSTS_MS = {1: 57.6, 16: 70.8, 32: 83.8, 64: 102.8}  # issue 19: SmolLM2-135M, bf16, one thread
@@ -141,20 +141,24 @@ def main() -> None:
 
     tree, small = (TreeConfig(*map(int, t.split(","))) for t in (args.tree, args.small_tree))
     settings: dict[str, object] = {"lookup 3..1": lambda: LookupProposer(tree)}
+
+    def lookup(shape: TreeConfig, **spec) -> LookupProposer:
+        return LookupProposer(shape, LookupSpec(**{"store_nodes": None, **spec}), max_matches=args.max_matches)
+
     for hi, lo in ((2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (8, 2), (8, 3), (12, 2)):
         if hi > store.depth:
             continue
-        ds = dict(datastore=store, store_max_ngram=hi, store_min_ngram=lo, max_matches=args.max_matches)
-        settings[f"store {hi}..{lo}"] = lambda ds=ds: LookupProposer(tree, prompt=False, **ds)
-        settings[f"lookup+store {hi}..{lo}"] = lambda ds=ds: LookupProposer(tree, **ds)
+        ds = dict(datastore=store, store_max_ngram=hi, store_min_ngram=lo)
+        settings[f"store {hi}..{lo}"] = lambda ds=ds: lookup(tree, prompt=False, **ds)
+        settings[f"lookup+store {hi}..{lo}"] = lambda ds=ds: lookup(tree, **ds)
     for hi in (3, 8):
-        ds = dict(datastore=store, store_max_ngram=hi, store_min_ngram=1, max_matches=args.max_matches)
+        ds = dict(datastore=store, store_max_ngram=hi, store_min_ngram=1)
         for nodes in (4, 8, 16):
             settings[f"lookup+store {hi}..1, <= {nodes} store nodes"] = \
-                lambda nodes=nodes, ds=ds: LookupProposer(tree, store_nodes=nodes, **ds)
-        settings[f"lookup+store {hi}..1, tree {args.small_tree}"] = lambda ds=ds: LookupProposer(small, **ds)
+                lambda nodes=nodes, ds=ds: lookup(tree, store_nodes=nodes, **ds)
+        settings[f"lookup+store {hi}..1, tree {args.small_tree}"] = lambda ds=ds: lookup(small, **ds)
         settings[f"lookup+store {hi}..1, tree {args.small_tree}, <= 8 store nodes"] = \
-            lambda ds=ds: LookupProposer(small, store_nodes=8, **ds)
+            lambda ds=ds: lookup(small, store_nodes=8, **ds)
     settings[f"lookup 3..1, tree {args.small_tree}"] = lambda: LookupProposer(small)
 
     print(f"\ntrees {args.tree} (total,depth,top_k) unless named; tau = tokens per step (accepted + bonus); "

@@ -147,3 +147,54 @@ def test_noisy_costs_are_made_monotone():
     costs = StepCosts(verify_ms={1: 80.0, 8: 60.0, 16: 90.0}, level_ms={1: 5.0, 8: 4.0})
     assert costs.verify(8) == 80.0 and costs.verify(4) == 80.0 and costs.verify(16) == 90.0
     assert costs.level(8) == 5.0
+
+
+def _chain(tokens, probs, source):
+    """A one-path tree under root 0 whose nodes have these confidences."""
+    from taps.tree import DraftTree
+
+    n = len(tokens)
+    return DraftTree.drafted(tokens=torch.tensor([0] + tokens), parents=torch.tensor([-1] + list(range(n))),
+                             logp=torch.log(torch.tensor([1.0] + probs)), entropy=torch.zeros(n + 1), drafter=source)
+
+
+def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay():
+    from taps.drafter.auto_tree import merge_budget_by_cost
+    from taps.tree import merge_budget
+
+    head = _chain([5, 6, 7], [0.9, 0.6, 0.2], source=0)  # sized by the head's own policy: always kept
+    lookup = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], source=1)  # shares node 5 with the head
+    flat = merge_budget_by_cost([head, lookup], 32, AutoTree(FLAT, top_k=4), sized=0b01)
+    assert flat.tokens.tolist() == merge_budget([head, lookup], 32).tokens.tolist()  # free nodes: all of them
+    # verification that costs 1 ms per tree token past the first: a node pays once its expected
+    # tokens beat (expected so far) / (time so far) per ms
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})
+    cut = merge_budget_by_cost([head, lookup], 32, AutoTree(linear, top_k=4), sized=0b01)
+    paths = sorted(tuple(p) for p in _paths(cut))
+    assert (5, 6, 7) in paths and (5, 8, 9) in paths and (5, 8, 9, 10) not in paths
+    assert merge_budget_by_cost([head, lookup], 32, AutoTree(STEEP, top_k=4), sized=0b01).size == 4  # the head's
+    assert merge_budget_by_cost([head, lookup], 3, AutoTree(FLAT, top_k=4), sized=0b01).size == 3  # the cap holds
+
+
+def _paths(tree):
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    leaves = set(range(1, tree.size)) - set(parents)
+    for leaf in leaves:
+        path, node = [], leaf
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        yield path[::-1]
+
+
+def test_head_and_lookup_merged_by_cost_decode_losslessly():
+    from taps.propose.factory import LookupSpec
+
+    model, target, head = setup_llama()
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})
+    for costs in (FLAT, linear, STEEP):
+        proposer = build_proposer("merge", {"head": head, "lookup": LookupSpec()}, TreeConfig(32, 6, 4),
+                                  merge_mode="budget", policy=lambda costs=costs: AutoTree(costs, top_k=4))
+        prompt = prompts(2, seed=9)[0] * 2  # a repeat, so prompt lookup has something to offer
+        result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=24))
+        assert result.tokens == hf_greedy(model, prompt, 24)

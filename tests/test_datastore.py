@@ -28,7 +28,7 @@ TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
 
 
 def started(seq, store, tree=TREE, **kw):
-    proposer = LookupProposer(tree, datastore=store, **kw)
+    proposer = LookupProposer(tree, LookupSpec(datastore=store, **{"store_nodes": None, **kw}))
     proposer.start(torch.zeros(len(seq) - 1, 4), torch.tensor(seq))
     return proposer
 
@@ -93,7 +93,7 @@ def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
 
 def test_a_lookup_drafter_needs_prompt_lookup_or_a_datastore():
     with pytest.raises(ValueError, match="needs a datastore"):
-        LookupProposer(TREE, prompt=False)
+        LookupProposer(TREE, LookupSpec(prompt=False))
 
 
 # ---- losslessness -------------------------------------------------------------------------------
@@ -113,13 +113,13 @@ def test_greedy_with_the_datastore_is_lossless_and_accepts_its_answers(arch):
     reference = hf_greedy(model, PROMPT, 40)
     store = own_answers(model, [PROMPT, [20, 21, 22]])
     for prompt, least in ((False, 3.0), (True, 1.0)):
-        result = generate(target, LookupProposer(ARCH_TREE, datastore=store, prompt=prompt), PROMPT,
-                          DecodeConfig(max_new_tokens=40))
+        spec = LookupSpec(datastore=store, prompt=prompt, store_nodes=None)
+        result = generate(target, LookupProposer(ARCH_TREE, spec), PROMPT, DecodeConfig(max_new_tokens=40))
         assert result.tokens == reference
         assert result.acceptance_length > least  # the datastore holds this very answer
     noise = Datastore.of_segments(torch.randint(0, 384, (30, 20), generator=torch.Generator().manual_seed(0)).tolist())
-    result = generate(target, LookupProposer(ARCH_TREE, datastore=noise, prompt=False), PROMPT,
-                      DecodeConfig(max_new_tokens=40))
+    spec = LookupSpec(datastore=noise, prompt=False, store_nodes=None)
+    result = generate(target, LookupProposer(ARCH_TREE, spec), PROMPT, DecodeConfig(max_new_tokens=40))
     assert result.tokens == reference  # drafts that are (mostly) rejected
 
 
@@ -142,8 +142,9 @@ def test_sampling_with_the_datastore_keeps_the_target_distribution():
     prompt = [1, 2, 3, 1, 2]
     store = Datastore.of_segments([[2, a, b] for a in range(8) for b in range(8)][::3] + [[2, 5, 1]] * 5)
     n = 1500
+    spec = LookupSpec(datastore=store, prompt=False, store_nodes=None)
     accepted = check_second_token_distribution(
-        model, lambda target: LookupProposer(TreeConfig(8, 3, 4), datastore=store, prompt=False), prompt, n)
+        model, lambda target: LookupProposer(TreeConfig(8, 3, 4), spec), prompt, n)
     assert accepted > n // 100
 
 

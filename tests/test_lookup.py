@@ -21,7 +21,7 @@ TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
 
 
 def started(seq, tree=TREE, **kw):
-    proposer = LookupProposer(tree, **kw)
+    proposer = LookupProposer(tree, LookupSpec(**kw))
     proposer.start(torch.zeros(len(seq) - 1, 4), torch.tensor(seq))
     return proposer
 

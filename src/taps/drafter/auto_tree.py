@@ -24,10 +24,14 @@ Verification does not change, so any tree is lossless.
 from __future__ import annotations
 
 import bisect
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from taps.tree import DraftTree, keep_nodes, merge_trie, rerank
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
@@ -70,6 +74,16 @@ class StepCosts:
 
     def verify(self, tokens: int) -> float:
         return _interpolate(self.verify_ms, tokens)
+
+    def verify_table(self, n: int) -> Tensor:  # -> [n] float64: verify(1), ..., verify(n)
+        """The verify costs of 1..n tree tokens, computed once per size and reused: the policy reads
+        them for every prefix of every level's candidates (hundreds per step)."""
+        table = self.__dict__.get("_verify_table")
+        if table is None or table.numel() < n:
+            size = max(n, 2 * (table.numel() if table is not None else 64))
+            table = torch.tensor([self.verify(t) for t in range(1, size + 1)], dtype=torch.float64)
+            object.__setattr__(self, "_verify_table", table)
+        return table[:n]
 
     def level(self, beams: int) -> float:
         return _interpolate(self.level_ms, beams)
@@ -119,7 +133,7 @@ class AutoTree:
             return 1.0 / (draft + self.costs.verify(1)), 0, 1.0
         gain = self.calibration(ordered.exp())  # [N] expected acceptance, best first
         expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
-        times = torch.tensor([draft + self.costs.verify(n + 1) for n in range(expected.numel())], dtype=gain.dtype)
+        times = draft + self.costs.verify_table(expected.numel()).to(gain.dtype)  # [N + 1]: 1..N + 1 tree tokens
         rates = expected / times  # [N + 1]
         best = int(rates.argmax())
         return float(rates[best]), best, float(expected[best])
@@ -142,3 +156,39 @@ class AutoTree:
     def observe(self, confidence: Tensor, accepted: Tensor) -> None:
         self.calibration.update(confidence, accepted)
 
+
+def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: AutoTree, sized: int) -> DraftTree:
+    """The budget merge (the union of every member's tree as a trie) sized by cost instead of
+    filled to `total_tokens`: every node a policy-sized member proposed is kept (bitmask `sized`:
+    its own calibrated policy already chose those), and the other members' nodes, best score
+    first, join only while they raise the expected tokens per millisecond.
+
+    Those others are model-free drafters (prompt lookup, a datastore) whose score is already an
+    acceptance estimate (q^depth x share: their running acceptance rate times the frequency of the
+    continuation), so node i adds exp(score_i) expected tokens for the verify cost of one more tree
+    token, read from the same measured profile (`policy.costs`). Without the cut, a lookup member
+    fills the tree up to the cap, and on a CPU every token past ~16 costs a tree forward more.
+    The kept set is closed under parents (a node's path score never exceeds its parent's, and
+    ties keep the earlier node), so verification is unchanged and stays lossless."""
+    union = merge_trie(trees)
+    if union.size <= 1:
+        return union
+    score, parents, sources = union.logp.tolist(), union.parents.tolist(), union.sources.tolist()
+    depth = [0] * union.size
+    for i in range(1, union.size):  # parents precede children: path minimum and depth in one pass
+        score[i] = min(score[i], score[parents[i]])
+        depth[i] = depth[parents[i]] + 1
+    kept = [i for i in range(1, union.size) if sources[i] & sized]
+    if len(kept) + 1 >= total_tokens:
+        return rerank(union, total_tokens)
+    extra = sorted((i for i in range(1, union.size) if not sources[i] & sized), key=lambda i: (-score[i], i))
+    extra = extra[:total_tokens - 1 - len(kept)]
+    levels = max((depth[i] for i in kept), default=0)
+    draft = policy.costs.fixed_ms + levels * policy.costs.level(policy.top_k)
+    base = 1.0 + sum(math.exp(score[i]) for i in kept)
+    gain = torch.tensor([math.exp(score[i]) for i in extra], dtype=torch.float64)  # [E], best first
+    expected = base + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]: 0..E extra nodes
+    times = draft + policy.costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]
+    take = int((expected / times).argmax())
+    keep = torch.tensor(sorted([0] + kept + extra[:take]), dtype=torch.long, device=union.parents.device)
+    return keep_nodes(union, keep)

@@ -22,18 +22,18 @@ per run, per worker process) across questions.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from taps.config import TreeConfig
+from taps.drafter.auto_tree import merge_budget_by_cost
 from taps.drafter.average import average_heads
 from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
 from taps.propose.bandit import BANDIT, BanditRouter, BanditState
 from taps.propose.base import PlainProposer, Proposer
 from taps.propose.datastore import Datastore, DatastoreError, is_datastore
-from taps.propose.lookup import LookupProposer
+from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: F401 (LookupSpec: re-exported)
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
@@ -50,21 +50,6 @@ MERGES: dict[str, Callable[[TreeConfig], Merge]] = {
     "trie": lambda tree: merge_trie,
     "budget": lambda tree: partial(merge_budget, total_tokens=tree.total_tokens),
 }
-
-
-@dataclass(frozen=True)
-class LookupSpec:
-    """A lookup member: prompt lookup (n-gram sizes tried, longest first), a datastore, or both
-    (prompt lookup first, then up to `store_nodes` of the datastore's nodes)."""
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-    datastore: Datastore | None = None
-    prompt: bool = True  # False: the datastore alone
-    store_max_ngram: int = 3  # bench/datastore_hit_rate.py: 3..1 drafts as well as 8..1 on SmolLM2's answers
-    store_min_ngram: int = 1
-    store_nodes: int | None = 8  # at most this many datastore nodes per tree (None: the tree's whole budget);
-    # on MT-Bench 8 keep most of the acceptance (tau 2.03 vs 2.09 with 31 in a 32-node tree) at half the nodes
 
 
 def load_datastore(path: str | Path, target=None) -> Datastore:
@@ -103,9 +88,7 @@ def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
 
 def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, policy=None) -> Proposer:
     if isinstance(member, LookupSpec):
-        return LookupProposer(tree, member.max_ngram, member.min_ngram, source=source, datastore=member.datastore,
-                              prompt=member.prompt, store_max_ngram=member.store_max_ngram,
-                              store_min_ngram=member.store_min_ngram, store_nodes=member.store_nodes)
+        return LookupProposer(tree, member, source=source)
     return SingleProposer(member, tree, source=source, policy=policy() if policy is not None else None)
 
 
@@ -114,8 +97,9 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
                    weights: Sequence[float] | None = None, policy: Callable[[], object] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
     drafter index: bit h of tree.sources, and the index in routing / merge logs), checked by the grammar's
-    rules. `policy`: a factory of cost-aware tree policies (drafter/auto_tree.py), one per head;
-    None drafts fixed trees."""
+    rules. `policy`: a factory of cost-aware tree policies (drafter/auto_tree.py), one per head (a
+    budget merge then sizes its lookup members' share by cost too: merge_budget_by_cost); None
+    drafts fixed trees."""
     where = f"--strategy {strategy}"
     spec = VariantSpec(strategy, strategy, tuple((name, name) for name in heads), signal, granularity, merge_mode,
                        None if weights is None else tuple(weights), where=where)
@@ -148,7 +132,12 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
     if spec.strategy == "route":
         return RoutedProposer(singles, signal=ROUTING_SIGNALS[spec.signal], per_turn=spec.granularity == "turn",
                               names=names)
-    return MergedProposer(singles, merge=MERGES[spec.merge_mode](tree), names=names)
+    merge = MERGES[spec.merge_mode](tree)
+    sized = [s.policy for s in singles if getattr(s, "policy", None) is not None]
+    if spec.merge_mode == "budget" and sized:  # --tree auto: lookup members' nodes join only where they pay
+        mask = sum(1 << i for i, s in enumerate(singles) if getattr(s, "policy", None) is not None)
+        merge = partial(merge_budget_by_cost, total_tokens=tree.total_tokens, policy=sized[0], sized=mask)
+    return MergedProposer(singles, merge=merge, names=names)
 
 
 class HeadPool:
