@@ -24,7 +24,7 @@ and a one-token forward round differently, so a near-tie can flip a token, and t
 answers that differ is printed, not hidden.
 
     python bench/decode_speed.py [--target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters
-        --head eagle2-mixed-large --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
+        --head eagle2-mixed-xl --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
         --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data
         --out runs/bench/decode-speed.jsonl [--fresh] [--datastore DIR --datastore-nodes 8]]
 
@@ -129,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--drafters", default="models/smollm2-135m-instruct/drafters")
-    ap.add_argument("--head", default="eagle2-mixed-large", help="the single head to time")
+    ap.add_argument("--head", default="eagle2-mixed-xl", help="the single head to time")
     ap.add_argument("--math", default="eagle2-math")
     ap.add_argument("--chat", default="eagle2-chat")
     ap.add_argument("--data-dir", default=None)
