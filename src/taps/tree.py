@@ -270,6 +270,15 @@ def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
                      entropy=tree.entropy[keep], sources=tree.sources[keep])
 
 
+def path_scores(tree: DraftTree) -> list[float]:
+    """Each node's rank score: the lowest logp on its path from the root (its own logp whenever
+    scores do not increase along paths). Parents precede children, so one pass suffices."""
+    score, parents = tree.logp.tolist(), tree.parents.tolist()
+    for i in range(1, tree.size):
+        score[i] = min(score[i], score[parents[i]])
+    return score
+
+
 def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:
     """Keep the root and the total_tokens - 1 most confident nodes (SPEC §2 step 3, applied to any
     tree). A node's rank score is the lowest logp on its path, which is its own logp whenever
@@ -279,9 +288,7 @@ def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
     if tree.size <= total_tokens:
         return tree
-    score, parents = tree.logp.tolist(), tree.parents.tolist()
-    for i in range(1, tree.size):  # parents precede children: one pass takes the path minimum
-        score[i] = min(score[i], score[parents[i]])
+    score = path_scores(tree)
     order = torch.sort(torch.tensor(score[1:], dtype=torch.float64), descending=True, stable=True).indices + 1
     order = order.to(tree.parents.device)
     keep = torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), order[: total_tokens - 1].sort().values])

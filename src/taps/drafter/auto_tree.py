@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from taps.tree import DraftTree, keep_nodes, merge_trie, rerank
+from taps.tree import DraftTree, keep_nodes, merge_trie, path_scores, rerank
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
@@ -173,10 +173,9 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     union = merge_trie(trees)
     if union.size <= 1:
         return union
-    score, parents, sources = union.logp.tolist(), union.parents.tolist(), union.sources.tolist()
+    score, parents, sources = path_scores(union), union.parents.tolist(), union.sources.tolist()
     depth = [0] * union.size
-    for i in range(1, union.size):  # parents precede children: path minimum and depth in one pass
-        score[i] = min(score[i], score[parents[i]])
+    for i in range(1, union.size):  # parents precede children
         depth[i] = depth[parents[i]] + 1
     kept = [i for i in range(1, union.size) if sources[i] & sized]
     if len(kept) + 1 >= total_tokens:

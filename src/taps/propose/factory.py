@@ -133,10 +133,10 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
         return RoutedProposer(singles, signal=ROUTING_SIGNALS[spec.signal], per_turn=spec.granularity == "turn",
                               names=names)
     merge = MERGES[spec.merge_mode](tree)
-    sized = [s.policy for s in singles if getattr(s, "policy", None) is not None]
+    sized = {i: s.policy for i, s in enumerate(singles) if getattr(s, "policy", None) is not None}
     if spec.merge_mode == "budget" and sized:  # --tree auto: lookup members' nodes join only where they pay
-        mask = sum(1 << i for i, s in enumerate(singles) if getattr(s, "policy", None) is not None)
-        merge = partial(merge_budget_by_cost, total_tokens=tree.total_tokens, policy=sized[0], sized=mask)
+        merge = partial(merge_budget_by_cost, total_tokens=tree.total_tokens, policy=next(iter(sized.values())),
+                        sized=sum(1 << i for i in sized))
     return MergedProposer(singles, merge=merge, names=names)
 
 
