@@ -28,7 +28,7 @@ from taps import kv
 from taps.drafter.auto_tree import AutoTree, StepCosts
 from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
-from taps.drafter.head import EagleHead
+from taps.drafter.head import DraftHead
 from taps.jsonl import read_json, write_json_atomic
 from taps.stopwatch import now
 from taps.target import Target
@@ -177,7 +177,7 @@ def auto_tree_policy(target, heads: dict, tree):
     """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
     the cached profile of this machine, target, dtype and threads, with the first head's draft
     levels (measured now, once, if missing)."""
-    head = next((h for h in heads.values() if isinstance(h, EagleHead)), None)
+    head = next((h for h in heads.values() if isinstance(h, DraftHead)), None)
     if head is None:
         raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")
     costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))

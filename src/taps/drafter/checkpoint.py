@@ -307,7 +307,8 @@ def _eagle3_fields(head_config: LlamaConfig, config: dict, target, cfg_path: Pat
     return head_config
 
 
-def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False) -> Path:
+def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False,
+                    backbone: str = "eagle2") -> Path:
     """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
     and tokenizer only (the target's weights are not loaded)."""
     name = target_name(target_dir)
@@ -319,7 +320,10 @@ def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, 
         fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_dir))
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"{target_dir}: no loadable tokenizer ({err})") from None
-    head = init_head(config, seed=seed, bias=bias)
+    try:
+        head = init_head(config, seed=seed, bias=bias, backbone=backbone)
+    except ValueError as err:
+        raise CheckpointError(f"{target_dir}: {err}") from None
     info = DrafterInfo(backbone="untrained", target_name=name, tokenizer_fingerprint=fingerprint,
-                       extra={"seed": seed})
+                       extra={"seed": seed, "architecture": backbone})
     return save_head(head, out_dir, info)

@@ -89,6 +89,12 @@ class DraftHead(nn.Module):
         self._columns = slice(start, start + columns.numel()) if contiguous else columns
         return self
 
+    def share_target(self, other: "DraftHead") -> "DraftHead":
+        """Use the same target as `other` (its embedding, LM head and feature columns)."""
+        self.bind(*other.shared)
+        self._columns = other._columns
+        return self
+
     def select_features(self, features: Tensor) -> Tensor:  # [..., F] target output -> [..., k * H]
         """This head's layers out of the target's features (the first H columns, the last layer,
         when the head was only bound, not attached)."""

@@ -31,7 +31,7 @@ from taps import workers
 from taps.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
-from taps.drafter.head import EagleHead
+from taps.drafter.head import DraftHead
 from taps.eval.benchmarks import Question
 from taps.eval.records import TurnIdentity, conversation_key, read_records, record_key, turn_record
 from taps.identity import MismatchError, check_same
@@ -306,7 +306,7 @@ def _auto_tree_policy(target, pool: HeadPool, variants: Sequence[VariantSpec], s
     """The cost-aware tree policy factory of a run: costs from this machine's profile, with the
     first drafter's draft levels (heads of one target share their shape)."""
     heads = {path: pool.head(path) for path in dict.fromkeys(p for v in variants for _, p in v.drafters)}
-    if not any(isinstance(h, EagleHead) for h in heads.values()):
+    if not any(isinstance(h, DraftHead) for h in heads.values()):
         return None  # baseline and prompt lookup only: no head tree to size
     return auto_tree_policy(target, heads, settings.tree)
 
