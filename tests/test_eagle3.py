@@ -260,3 +260,43 @@ def test_features_refuse_bad_aux_layers(target_dir, tmp_path):
         extract_features(tgt, data, tmp_path / "f", FeatureSettings(aux_layers="auto"), progress=None)
     with pytest.raises(FeaturesError, match="--aux-layers"):
         extract_features(tgt, data, tmp_path / "f", FeatureSettings(aux_layers="0,x"), progress=None)
+
+
+# ---- compositions and chat -------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["merge-trie:a=A,b=B", "merge-budget:a=A,b=B", "route-confidence-step:a=A,b=B"])
+def test_eagle2_and_eagle3_heads_compose_losslessly(tmp_path, spec):
+    """One target serves both heads in one forward: the EAGLE-2 head reads the last layer, the
+    EAGLE-3 head its three layers (loaded from disk, as `taps generate` / `serve` load them)."""
+    from taps.propose.factory import HeadPool
+    from taps.propose.spec import parse_variant
+
+    target = target_of("llama", seed=2)
+    save_head(init_head(target.model.config, seed=3), tmp_path / "a", DrafterInfo(backbone="eagle2"))
+    save_head(eagle3_head(target, seed=4, draft_ids=torch.arange(0, 384, 2)), tmp_path / "b",
+              DrafterInfo(backbone="eagle3"))
+    target.feature_layers = (-1,)  # as loaded fresh: only load_head attaches
+    pool = HeadPool(target)
+    proposer = pool.proposer(parse_variant("v=" + spec.replace("A", str(tmp_path / "a")).replace("B", str(tmp_path / "b"))),
+                             TreeConfig(30, 4, 4))
+    assert target.feature_layers == (-1, 2, 4, 5)
+    for prompt in prompts(2, seed=11):
+        out = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=20))
+        assert out.tokens == hf_greedy(target.model, prompt, 20)
+
+
+def test_chat_turn_after_a_head_attaches_re_encodes(tokenizer):
+    """A session's first turn decoded before an EAGLE-3 head attached keeps features without its
+    layers: the next turn re-encodes instead of reusing them, and stays lossless."""
+    from taps.decode import ChatSession, Decoder
+
+    model = tiny_model("qwen2", seed=0, layers=LAYERS)
+    target = Target(model, tokenizer)
+    cfg = DecodeConfig(max_new_tokens=12, stop_token_ids=target.stop_token_ids())
+    chat = ChatSession(target, None, cfg)
+    chat.send("How many clips did Natalia sell?")
+    chat.decoder.proposer = SingleProposer(eagle3_head(target, seed=6), TreeConfig(20, 4, 4))
+    _, second = chat.send("And in May?")
+    assert second.reused_prefix == 0
+    full = tokenizer(tokenizer.apply_chat_template(chat.messages[:3], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    assert Decoder(Target(model, tokenizer)).run(full, cfg).tokens == second.tokens
