@@ -300,3 +300,16 @@ def test_chat_turn_after_a_head_attaches_re_encodes(tokenizer):
     full = tokenizer(tokenizer.apply_chat_template(chat.messages[:3], tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"]
     assert Decoder(Target(model, tokenizer)).run(full, cfg).tokens == second.tokens
+
+
+def test_init_from_target_starts_in_the_targets_output_space(target):
+    """After init_from_target the head's own norm + LM head are the target's final norm and LM-head
+    rows: its logits at a hidden state are the target's over the draft vocabulary."""
+    ids = torch.arange(0, 384, 4)
+    head = eagle3_head(target, seed=7, draft_ids=ids)
+    hidden = torch.randn(5, target.hidden_size)
+    with torch.no_grad():
+        expected = target.lm_head(target.model.model.norm(hidden))[:, ids]
+        assert not torch.allclose(head.logits(hidden), expected)
+        head.init_from_target(target)
+        torch.testing.assert_close(head.logits(hidden), expected)

@@ -101,8 +101,8 @@ def add_settings(p, cls, only: Sequence[str] | None = None) -> None:
             continue
         kwargs = {"dest": f.name, "default": f.default, "help": option["help"]}
         kind = str(f.type).split("|")[0].strip()
-        if kind == "bool":
-            kwargs["action"] = "store_true"
+        if kind == "bool":  # a setting that is on by default gets its --no-FLAG too
+            kwargs["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
         else:
             kwargs["type"] = positive_int if option["at_least"] == 1 else {"int": int, "float": float, "str": str}[kind]
             for key in ("choices", "metavar"):

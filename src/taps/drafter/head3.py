@@ -125,6 +125,21 @@ class Eagle3Head(DraftHead):
             raise ValueError(f"{torch.as_tensor(draft_ids).numel()} draft ids for an lm_head of {n} rows")
         return super().set_draft_vocab(draft_ids)
 
+    @torch.no_grad()
+    def init_from_target(self, target) -> "Eagle3Head":
+        """Start the head's own `norm` and `lm_head` from the target's final norm and the LM head's
+        rows of the draft vocabulary (bind and set the draft vocabulary first). The head's output
+        then begins in the target's last-layer space, where the EAGLE-2 head lives for good: on
+        little data (a CPU-sized family) a randomly initialised LM head of N x H weights is what
+        holds EAGLE-3 back. Training moves both freely; inference never depends on this."""
+        norm = getattr(getattr(target.model, "model", None), "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(norm.weight.to(self.norm.weight))
+        rows = target.lm_head.weight if self.draft_ids is None else target.lm_head.weight.index_select(
+            0, self.draft_ids.to(target.lm_head.weight.device))  # [N, H]
+        self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+        return self
+
     def fuse(self, features: Tensor) -> Tensor:  # [..., 3H] target layers -> [..., H]
         return self.fc(features)
 

@@ -51,7 +51,7 @@ BACKBONES = ("eagle2", "hass", "eagle3")
 # order, keep_epoch_heads) may change between runs.
 CONTENT_FIELDS = ("backbone", "epochs", "lr", "batch_size", "grad_accum", "warmup_steps", "max_grad_norm", "max_len",
                   "heldout_frac", "hass_topk", "hass_steps", "noise_width", "seed", "mixed_precision",
-                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay")
+                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay", "init_from_target")
 
 
 class TrainingError(RuntimeError):
@@ -75,6 +75,9 @@ class TrainConfig:
     noise_width: float = setting(0.2, "EAGLE-2 / HASS input noise (EAGLE-3 adds none)")
     ttt_steps: int = setting(7, "EAGLE-3: training-time test steps unrolled (the reference's 7)", at_least=1)
     ttt_decay: float = setting(0.8, "EAGLE-3: step j's loss weight is DECAY ** (j - 1) (the reference's 0.8)")
+    init_from_target: bool = setting(
+        True, "EAGLE-3: start the head's norm and LM head from the target's final norm and LM-head rows "
+              "(--no-init-from-target: random, as the reference)")
     seed: int = setting(0)
     checkpoint_steps: int | None = setting(None, "also checkpoint every N steps (always every epoch)", at_least=1)
     log_every: int = 10
@@ -191,6 +194,8 @@ class Trainer:
         self.head.bind(target.embed_tokens, target.lm_head)
         if self.draft_vocab is not None:
             self.head.set_draft_vocab(self.draft_vocab.ids)
+        if cfg.backbone == "eagle3" and cfg.init_from_target:
+            self.head.init_from_target(target)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         # wall time of fit() summed over resumed runs, and the step it was first counted from
