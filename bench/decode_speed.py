@@ -48,16 +48,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig  # noqa: E402
+from taps.config import AUTO_TREE_CAPS, FIXED_TREE, DecodeConfig, SamplingConfig, SpeculationConfig, TreeConfig  # noqa: E402
 from taps.decode import chat_ids, generate  # noqa: E402
 from taps.drafter.checkpoint import load_head  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic  # noqa: E402
-from taps.profile import auto_tree_policy  # noqa: E402
+from taps.profile import tree_policy  # noqa: E402
 from taps.propose.factory import LookupSpec, build_proposer, load_datastore  # noqa: E402
 from taps.target import Target  # noqa: E402
 
-PAPER, SMALL, AUTO_CAPS = TreeConfig(60, 5, 10), TreeConfig(16, 5, 4), TreeConfig(96, 8, 8)
+PAPER, SMALL, AUTO_CAPS = FIXED_TREE, TreeConfig(16, 5, 4), AUTO_TREE_CAPS
 LOOKUP_TREE = TreeConfig(32, 10, 4)
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
     drafters = Path(args.drafters)
     heads = {name: load_head(drafters / name, target) for name in dict.fromkeys([args.head, args.math, args.chat])}
-    policy = auto_tree_policy(target, heads, AUTO_CAPS)
+    policy = tree_policy(target, heads.values(), SpeculationConfig(AUTO_CAPS, "auto"))
     head, math_head, chat_head = heads[args.head], heads[args.math], heads[args.chat]
     pair = {"math": math_head, "chat": chat_head}
     decoders = {

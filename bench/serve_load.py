@@ -145,14 +145,15 @@ def main() -> int:
     if args.url is None:
         import torch
 
-        from taps.config import TreeConfig
+        from taps.config import FIXED_TREE, SpeculationConfig, TreeConfig
         from taps.serve.app import Limits, create_app, serving
         from taps.serve.engine import Engine
 
         torch.set_num_threads(args.threads)
-        auto = args.tree == "auto"
-        tree = TreeConfig() if auto else TreeConfig(*(int(x) for x in args.tree.split(",")))
-        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], tree=tree, auto_tree=auto,
+        # auto: capped at the paper's 60/5/10 (the README's run), not taps serve's 96/8/8
+        speculation = SpeculationConfig(FIXED_TREE, "auto") if args.tree == "auto" else \
+            SpeculationConfig(TreeConfig(*(int(x) for x in args.tree.split(","))))
+        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], speculation,
                              device=args.device, dtype=args.dtype, model_id="target")
         app = create_app(engine, Limits(max_queue=max(args.clients, args.burst_queue), max_tokens=args.max_tokens))
         stop = serving(app)

@@ -26,7 +26,7 @@ SHAPES = {
     "chain": TreeConfig(60, 5, 1),
     "wide": TreeConfig(60, 2, 10),
     "deep": TreeConfig(40, 9, 3),
-    "tiny-budget": TreeConfig(2, 5, 10),
+    "tiny-budget": TreeConfig(2, 1, 10),  # one draft node a step
 }
 NEW = 24
 

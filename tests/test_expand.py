@@ -50,7 +50,7 @@ def sequential_scores(head, ctx, tree, node):
     return total, ent
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(60, 5, 10), TreeConfig(20, 4, 3), TreeConfig(12, 6, 1), TreeConfig(2, 5, 10)])
+@pytest.mark.parametrize("cfg", [TreeConfig(60, 5, 10), TreeConfig(20, 4, 3), TreeConfig(12, 6, 1), TreeConfig(2, 1, 10)])
 def test_tree_shape_rules(cfg):
     _, head, ctx = setup()
     tree = expand_tree(head, ctx, cfg, source=4)

@@ -11,8 +11,8 @@ import argparse
 import os
 
 from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
-                           positive_int, tree_shape)
-from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
+                           positive_int, speculation_from)
+from taps.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
 from taps.eval.runner import EvalSettings, eval_benchmarks
@@ -40,7 +40,7 @@ def add_decode_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    add_tree_arguments(p, auto=True)
+    add_tree_arguments(p)
     add_device_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -67,7 +67,7 @@ def register(sub) -> None:
 
 def _eval(args) -> int:
     settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
+                            speculation=speculation_from(args), top_p=args.top_p)
     questions = load_questions(args.bench, args.data_dir, args.limit, args.category)
     print(eval_benchmarks(TargetRef(args.target, args.device, args.dtype), args.variant, questions, args.out, settings,
                           args.jobs, progress=not args.no_progress))
@@ -98,7 +98,7 @@ def register_study(sub) -> None:
     d.add_argument("--per-bench", type=positive_int, default=1,
                    help="questions per benchmark (default 1: every variant in ~15 min on 2 cores)")
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
-    add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
+    add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPUs and AMX CPUs, else fp32)")
     d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
@@ -119,8 +119,7 @@ def _reproduce(args) -> int:
 
 
 def _demo(args) -> int:
-    settings = DemoSettings(args.per_bench, args.max_new_tokens, TreeConfig(*tree_shape(args)), args.tree == "auto",
-                            args.dtype, args.jobs)
+    settings = DemoSettings(args.per_bench, args.max_new_tokens, speculation_from(args), args.dtype, args.jobs)
     run_demo(args.models, args.out, args.data_dir, settings, progress=not args.no_progress)
     return 0
 

@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from taps.decode import chat_ids, generate
-from taps.profile import auto_tree_policy
+from taps.profile import tree_policy
 from taps.propose.base import Proposer, StepInfo
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
@@ -162,11 +162,11 @@ class Engine:
     (the caller serialises: taps.serve.app holds one lock per engine)."""
 
     def __init__(self, target, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-                 tree: TreeConfig = TreeConfig(), auto_tree: bool = False, model_id: str | None = None,
+                 speculation: SpeculationConfig = SpeculationConfig(), model_id: str | None = None,
                  attn_implementation: str = "sdpa"):
         if target.tokenizer is None:
             raise ValueError("the target has no tokenizer; taps serve needs one to read prompts and write text")
-        self.target, self.tree = target, tree
+        self.target, self.speculation, self.tree = target, speculation, speculation.tree
         self.model_id = model_id or getattr(target, "name", None) or "taps-target"
         names = [n for n, _ in drafters]
         if len(set(names)) != len(names):
@@ -194,18 +194,16 @@ class Engine:
         elif default is None:
             default = self.named[names[0] if names else "baseline"]
         self.default = default
-        self.policy = None
-        if auto_tree:
-            self.policy = auto_tree_policy(target, {n: self.pool.head(p) for n, p in drafters}, tree)
+        self.policy = tree_policy(target, (self.pool.head(p) for _, p in drafters), speculation)
         for variant in {id(v): v for v in self.named.values()}.values():  # averages are computed once, now
-            self.pool.proposer(variant.spec, tree, self.policy)
+            self.pool.proposer(variant.spec, self.tree, self.policy)
 
     @classmethod
     def load(cls, target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-             tree: TreeConfig = TreeConfig(), auto_tree: bool = False, device: str = "auto", dtype: str = "auto",
+             speculation: SpeculationConfig = SpeculationConfig(), device: str = "auto", dtype: str = "auto",
              attn_implementation: str = "sdpa", model_id: str | None = None) -> "Engine":
         loaded = Target.load(target, device=device, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(loaded, drafters, variants, tree, auto_tree, model_id, attn_implementation)
+        return cls(loaded, drafters, variants, speculation, model_id, attn_implementation)
 
     # ---- facts -----------------------------------------------------------------------------
     @property
@@ -218,7 +216,7 @@ class Engine:
 
     def describe(self) -> dict:
         return {"drafters": list(self.drafters), "variants": sorted(self.named), "default_variant": self.default.label,
-                "context_window": self.context_window, "tree": {**asdict(self.tree), "auto": self.policy is not None}}
+                "context_window": self.context_window, "tree": {**asdict(self.tree), "auto": self.speculation.auto}}
 
     # ---- variants ----------------------------------------------------------------------------
     def _bind(self, label: str, spec_text: str, where: str) -> Variant:
