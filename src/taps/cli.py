@@ -111,7 +111,7 @@ def _add_drafter(sub) -> None:
                             formatter_class=DefaultsHelpFormatter)
     table.add_argument("--target", required=True, help="the target the drafters were trained for")
     table.add_argument("--drafters", required=True, help="directory of drafter directories (<name>/model.safetensors)")
-    table.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+    table.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR, "
                                           "else the Hugging Face hub)")
     table.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
     table.add_argument("--temperatures", type=number_list, default="0,1", metavar="T[,T...]",

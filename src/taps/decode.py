@@ -79,7 +79,7 @@ class DecodeResult:
 
     @property
     def acceptance_length(self) -> float:
-        """SPEC §5: new tokens / verifier calls; plain decoding scores exactly 1.0."""
+        """docs/spec.md §5: new tokens / verifier calls; plain decoding scores exactly 1.0."""
         return len(self.tokens) / self.verifier_calls
 
     @property

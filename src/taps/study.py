@@ -44,7 +44,7 @@ STAGES = STUDY_STAGES
 # user's choices and keep the usual refusal
 NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
 
-# The paper's seven variants per backbone (SPEC §1), plus the baseline and this project's merges.
+# The paper's seven variants per backbone (docs/spec.md §1), plus the baseline and this project's merges.
 PAPER_VARIANTS = {
     "baseline": "baseline",
     "{backbone}-math": "{drafters}/{backbone}-math",

@@ -1,4 +1,4 @@
-"""What the study needs to know about one verification step, beyond the accepted length (SPEC §5).
+"""What the study needs to know about one verification step, beyond the accepted length (docs/spec.md §5).
 
 The decode loop calls `step_trace` only when asked (DecodeConfig.trace): it reads the tree and
 the target's logits and changes nothing, so decoding is the same with or without it. Its cost
@@ -6,7 +6,7 @@ is kept out of the decoder's timings.
 
 Terms: the *accepted path* is the root plus the accepted nodes; every other draft node is
 *rejected*. Draft confidence c(v) = exp(cumulative log-prob) and draft entropy are the head's
-(SPEC §2). Verifier entropy is the entropy of softmax(target logits) at temperature 1 at a node:
+(docs/spec.md §2). Verifier entropy is the entropy of softmax(target logits) at temperature 1 at a node:
 at the root and every accepted node but the last, a draft token was accepted there; at the last
 accepted node every child (if it has any) was rejected — the first rejected position.
 """

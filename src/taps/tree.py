@@ -171,7 +171,7 @@ def drafter_bits(source: Tensor) -> Tensor:
     return torch.where(source >= 0, 1 << source.clamp(min=0), torch.zeros_like(source))
 
 
-# ---- merging the trees of several drafters (SPEC §4 merged trees, §7 trie and budget merges) ----
+# ---- merging the trees of several drafters (docs/spec.md §4, merges) ----
 # Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
 # attributed to drafter h (whatever their own `sources` say). Output: one DraftTree whose nodes
 # keep the parents-before-children order, with `sources` = the bitmask of every drafter that
@@ -280,7 +280,7 @@ def path_scores(tree: DraftTree) -> list[float]:
 
 
 def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:
-    """Keep the root and the total_tokens - 1 most confident nodes (SPEC §2 step 3, applied to any
+    """Keep the root and the total_tokens - 1 most confident nodes (docs/spec.md §2 step 3, applied to any
     tree). A node's rank score is the lowest logp on its path, which is its own logp whenever
     scores do not increase along paths (always, for EAGLE-2 trees and their merges); ties keep the
     earlier node, so the kept set always contains each kept node's parent."""

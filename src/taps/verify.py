@@ -16,7 +16,7 @@ Both rules walk the tree from the root. Nodes that carry the same token sequence
 (for example the same proposal from two drafters in a merged tree) are walked as one state and
 their children pooled: the target distribution at such nodes is the same, because their
 contexts are identical, so each distinct token is tried once. This is what makes routed and
-merged trees exactly as lossless as a single tree (SPEC §3, paper appendix A.4).
+merged trees exactly as lossless as a single tree (docs/spec.md §3, the paper's appendix A.4).
 
 Sampling is the recursive rejection scheme for deterministic draft candidates: at the current
 state with target distribution p, each distinct child token x is tried in order of draft score

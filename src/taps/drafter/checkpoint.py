@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the EAGLE layout (DESIGN.md), loaded strictly.
+"""Drafter checkpoints in the EAGLE layout (docs/spec.md §7), loaded strictly.
 
 A drafter directory holds `config.json` (a LlamaConfig with num_hidden_layers 1, architectures
 ["LlamaForCausalLMEagle"], `bias` for fc, and a `taps` block) and `model.safetensors` with keys

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic tree expansion (SPEC §2), one head, from its HeadContext.
+"""EAGLE-2 dynamic tree expansion (docs/spec.md §2), one head, from its HeadContext.
 
 1. The head's distribution at the root gives the top-k level-1 candidates (score = log-prob).
 2. For levels 2..depth: the current k beams run through the head at once (each attends to the

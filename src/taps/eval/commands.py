@@ -55,7 +55,7 @@ def register(sub) -> None:
                    help="comma-separated benchmark names or paths to FastChat question.jsonl files ([name=]PATH)")
     p.add_argument("--temperature", type=number_list, default="0", help="comma-separated, e.g. 0,1")
     p.add_argument("--out", required=True, help="results directory (records.jsonl, run.json); reruns resume")
-    p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    p.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR)")
     p.add_argument("--limit", type=positive_int, help="first N questions of each benchmark")
     p.add_argument("--category", action="append", help="keep only this category (repeat)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes on this machine, each every N-th question "
@@ -79,7 +79,7 @@ def register_study(sub) -> None:
     r = sub.add_parser("reproduce", help="run a whole study from a YAML config: target, drafters, eval, report",
                        formatter_class=DefaultsHelpFormatter)
     r.add_argument("config", help="study config, e.g. configs/smollm2.yaml")
-    r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
+    r.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: the config's, "
                                       "else $TAPS_DATA_DIR)")
     r.add_argument("--stages", default=",".join(STUDY_STAGES), help="comma-separated subset of the stages, in order")
     r.add_argument("--dry-run", action="store_true", help="print what would run (and what is skipped); run nothing")
@@ -91,7 +91,7 @@ def register_study(sub) -> None:
     d.add_argument("--models", default="models/smollm2-135m-instruct",
                    help="the embedded default: drafters/ (and target/, unless the directory is named after a "
                         "known target)")
-    d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+    d.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR, "
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
                                                    "directory, results of an earlier embedded default are moved aside)")

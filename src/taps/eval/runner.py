@@ -1,7 +1,7 @@
 """`taps eval`: decode every benchmark question with every variant, one record per turn.
 
 Order: for each question, for each temperature, every variant in turn — so all variants see the
-same machine noise and the baseline's speed is measured side by side with theirs (SPEC §5).
+same machine noise and the baseline's speed is measured side by side with theirs (docs/spec.md §5).
 MT-Bench's second turn continues each variant's own conversation (its own first answer).
 
 Resumable: the turns of one conversation are appended in one write (taps.jsonl); a rerun skips

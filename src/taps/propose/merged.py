@@ -1,8 +1,8 @@
 """MergedProposer: several drafters each draft a full tree; their merge is verified in one pass.
 
-SPEC §4 merged trees and §7 trie / budget merges, for any number of drafters. The merge itself is
-a pure function of the trees (taps.tree.merge_disjoint | merge_trie | merge_budget, bound to the
-tree budget by the factory), passed in as `merge`:
+docs/spec.md §4 merges (the paper's disjoint merge, and trie and budget merges), for any number
+of drafters. The merge itself is a pure function of the trees (taps.tree.merge_disjoint |
+merge_trie | merge_budget, bound to the tree budget by the factory), passed in as `merge`:
 - disjoint: every tree under one shared root, no cross-tree attention (the paper's merge);
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
 - budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
