@@ -51,7 +51,8 @@ class TreeConfig:
         for name in ("total_tokens", "depth", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r} (option --{name.replace('_', '-')})")
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} must be a positive integer, got {value!r} (option {flag})")
         if self.depth >= self.total_tokens:
             raise ValueError(f"depth must be below total_tokens (the root plus one node per level), got depth "
                              f"{self.depth} and total_tokens {self.total_tokens} (options --depth {self.depth}, "

@@ -18,8 +18,8 @@ between two steps when asked (a client gone, a stop string seen, shutdown): the 
 with stop_reason "cancelled". The proposer is the variant's own, untouched.
 
 Routing. A routed variant's decisions (the steps whose record, StepStats.info, holds routing
-scores: every step, or a turn's first) come back in Outcome.decisions and are logged, one JSON line per decision, on the logger
-`taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
+scores: every step, or a turn's first) come back in Outcome.decisions and are logged, one JSON
+line per decision, on the logger `taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
 learns across requests: the HeadPool keeps its state (propose/bandit.BanditState) per variant,
 every request's proposer reads and updates it, and `learned()` reports it for /metrics.
 """
