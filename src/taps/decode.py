@@ -238,6 +238,13 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def reply_text(tokenizer, tokens: list[int], stop_token_ids) -> str:
+    """A reply as a user reads it: the new tokens decoded with the stop tokens and the tokenizer's
+    special tokens left out (`taps generate`, chat turns, the server, regeneration)."""
+    stop = set(stop_token_ids)
+    return tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
+
+
 class ChatSession:
     """A multi-turn conversation: each user turn continues the previous one, reusing the cache
     for every token the new rendering shares with what was already decoded."""
@@ -254,7 +261,6 @@ class ChatSession:
         tok = self.decoder.target.tokenizer
         self.messages.append({"role": "user", "content": user_text})
         result = self.decoder.run(chat_ids(tok, self.messages), self.cfg, reuse_prefix=True)
-        stop = set(self.cfg.stop_token_ids)
-        reply = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True)
+        reply = reply_text(tok, result.tokens, self.cfg.stop_token_ids)
         self.messages.append({"role": "assistant", "content": reply})
         return reply, result

@@ -32,10 +32,12 @@ class StepTrace:
     verifier_entropy_rejected: float | None  # target entropy where every draft child was rejected; None at a leaf
 
 
-def entropy(logits: Tensor) -> Tensor:
-    """[..., V] logits -> [...] entropy in nats of softmax(logits), computed in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
+    """The package's one entropy (docs/spec.md §2), of draft distributions (drafter/expand.py) and of
+    the target's (here): -sum p log p over log-probabilities; a token of probability 0 (logp -inf,
+    as a filtered or reduced distribution has) contributes 0, not NaN."""
+    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return -(logp.exp() * finite).sum(-1)
 
 
 def step_trace(tree: DraftTree, acceptance: Acceptance, logits: Tensor) -> StepTrace:
@@ -46,7 +48,7 @@ def step_trace(tree: DraftTree, acceptance: Acceptance, logits: Tensor) -> StepT
     on_path[0] = True
     others = (~on_path).nonzero().flatten()  # [N-1-A]
     confidence, draft_entropy = tree.confidence.float(), tree.entropy.float()
-    verifier = entropy(logits[path])  # [A+1]
+    verifier = entropy_of(torch.log_softmax(logits[path].float(), dim=-1))  # [A+1], in float32
     last = int(path[-1])
     has_children = bool((tree.parents == last).any())
     return StepTrace(

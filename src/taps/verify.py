@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from taps.config import SamplingConfig
-from taps.tree import DraftTree
+from taps.tree import DraftTree, TokenPaths
 
 
 @dataclass(frozen=True)
@@ -90,19 +90,14 @@ _Chooser = Callable[[int, list[int]], tuple[int | None, int | None]]
 
 
 def _walk(tree: DraftTree, choose: _Chooser) -> Acceptance:
-    kids = tree.children()
-    tokens = tree.tokens.tolist()
-    logp = tree.logp.tolist()
+    paths = TokenPaths(tree)
     state = [0]  # nodes sharing one token path from the root; state[0] is the representative
     while True:
-        pooled = sorted((c for node in state for c in kids[node]), key=lambda c: (-logp[c], c))
-        by_token: dict[int, list[int]] = {}
-        for child in pooled:
-            by_token.setdefault(tokens[child], []).append(child)
+        by_token = paths.options(state)  # the distinct next tokens, best draft score first
         accepted, bonus = choose(state[0], list(by_token))
         if accepted is None:
             break
-        state = sorted(by_token[accepted])  # lowest node id first: ties go to the first tree
+        state = by_token[accepted]  # lowest node id first: ties go to the first tree
     last = state[0]
     nodes = torch.tensor(tree.path_to(last), dtype=torch.long, device=tree.tokens.device)
     return Acceptance(nodes=nodes, tokens=tree.tokens[nodes], bonus=int(bonus))

@@ -17,7 +17,6 @@ with the target's vocabulary; a head without draft_vocab_size must have neither.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from taps.drafter.head import EagleHead, head_config_for
+from taps.identity import file_sha256
 from taps.jsonl import read_json
 from taps.target import tokenizer_fingerprint
 from taps.target_source import resolve_target, target_name
@@ -173,12 +173,9 @@ def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc
 
 
 def weights_digest(drafter_dir: str | Path) -> str:
-    """sha256 of a drafter's model.safetensors: results measured with other weights are never reused."""
-    h = hashlib.sha256()
-    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """sha256 of a drafter's model.safetensors (bare hex, as results record it): results measured
+    with other weights are never reused."""
+    return file_sha256(Path(drafter_dir) / "model.safetensors")
 
 
 def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:

@@ -26,12 +26,8 @@ from taps import kv
 from taps.config import TreeConfig
 from taps.drafter.context import HeadContext
 from taps.drafter.head import EagleHead
+from taps.trace import entropy_of
 from taps.tree import DraftTree, additive_mask
-
-
-def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
-    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return -(logp.exp() * finite).sum(-1)
 
 
 @torch.inference_mode()

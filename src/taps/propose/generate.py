@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from taps.config import DecodeConfig, SpeculationConfig
-from taps.decode import DecodeResult, chat_ids, generate
+from taps.decode import DecodeResult, chat_ids, generate, reply_text
 from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
@@ -67,6 +67,5 @@ def generate_prompt(source: TargetRef, spec: VariantSpec, prompt: str | list[int
     cfg = decode or DecodeConfig()
     cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
     result = generate(target, pool.proposer(spec, speculation.tree, policy), ids, cfg)
-    stop = set(cfg.stop_token_ids)
-    text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""
+    text = reply_text(tok, result.tokens, cfg.stop_token_ids) if tok else ""
     return Generated(text, result)

@@ -39,7 +39,7 @@ from torch import Tensor
 from taps.config import TreeConfig
 from taps.propose.base import StepInfo
 from taps.propose.datastore import Datastore
-from taps.tree import DraftTree
+from taps.tree import DraftTree, TokenPaths
 from taps.verify import Acceptance
 
 
@@ -172,14 +172,7 @@ class LookupProposer:
 def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:
     """How many of `emitted` the tree holds as a path from its root, and whether it then offered
     children that the target's next token rejected."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if parent >= 0:
-            children.setdefault(parent, {})[token] = node
-    node, matched = 0, 0
-    for token in emitted:
-        nxt = children.get(node, {}).get(token)
-        if nxt is None:
-            return matched, node in children
-        node, matched = nxt, matched + 1
-    return matched, False
+    paths = TokenPaths(tree)
+    states = paths.follow(emitted)
+    matched = len(states) - 1
+    return matched, matched < len(emitted) and bool(paths.options(states[-1]))

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from taps.decode import StepStats, chat_ids, generate
+from taps.decode import StepStats, chat_ids, generate, reply_text
 from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
@@ -208,8 +208,7 @@ class Engine:
 
     def detokenize(self, tokens: list[int]) -> str:
         """As `taps generate` prints them: stop tokens and special tokens left out."""
-        stop = set(self.stop)
-        return self.target.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
+        return reply_text(self.target.tokenizer, tokens, self.stop)
 
     # ---- decoding ----------------------------------------------------------------------------
     def decode(self, prompt: list[int], variant: Variant, sampling: Sampling,
