@@ -40,14 +40,15 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
 
 
 def test_heads_taken_longest_first():
-    from taps.train.family import head_costs, longest_first
+    from taps.train.family import EAGLE3_COST, head_costs, longest_first
 
     costs = head_costs({"chat": 900, "math": 300})
     assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
+    assert costs[("eagle3", "chat")] == EAGLE3_COST * 900
     order = longest_first(list(costs), costs)
     assert sorted(order) == sorted(costs)
     assert [costs[h] for h in order] == sorted(costs.values(), reverse=True)
-    assert order[0] == ("hass", "mixed-large") and order[-1] == ("eagle2", "math")
+    assert order[0] == ("eagle3", "mixed-large") and order[-1] == ("eagle2", "math")
 
 
 def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):
@@ -76,7 +77,7 @@ def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypat
     class Seen(Exception):
         pass
 
-    def features(recipe, target, work, sources):
+    def features(recipe, target, work, sources, backbones):
         raise Seen(torch.get_num_threads())
 
     monkeypatch.setattr(drafter_recipe, "_features", features)

@@ -99,3 +99,53 @@ def test_draft_vocab_training_end_to_end(setup, target_dir):
     tau = mean_acceptance(target, head, held_out)
     print(f"hass, draft vocabulary 16 (coverage {info.extra['draft_vocab_coverage']:.3f}): acceptance length {tau:.2f}")
     assert tau > 1.3  # an untrained head scores < 1.2 (test_trained_head_beats_untrained)
+
+
+def test_eagle3_trains_end_to_end_through_the_cli(tmp_path, capsys):
+    """`taps features --aux-layers auto` then `taps train --backbone eagle3` on an 8-layer tiny target
+    (three distinct default layers): the head loads strictly, decodes exactly the plain greedy
+    output, and its drafts are accepted far more than an untrained EAGLE-3 head's."""
+    from taps.testing import write_tiny_target
+
+    target_dir = write_tiny_target(tmp_path / "t8", "llama", seed=0, layers=8)
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    rng = random.Random(1)
+
+    def record(i):
+        k = rng.randrange(len(WORDS))
+        prompt = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(6))
+        return {"id": f"p{i}", "source": "synthetic", "conversations": [{"role": "user", "content": prompt},
+                                                                         {"role": "assistant", "content": "-"}]}
+    records = [record(i) for i in range(100)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:80]))
+    regenerate(target, tmp_path / "train.jsonl", tmp_path / "regen.jsonl", RegenerateSettings(max_new_tokens=24),
+               progress=None)
+    base = ["--target", str(target_dir), "--device", "cpu"]
+    assert main(["features", *base, "--data", str(tmp_path / "regen.jsonl"), "--out", str(tmp_path / "feat"),
+                 "--max-len", "96", "--dtype", "fp32", "--aux-layers", "auto"]) == 0
+    out = tmp_path / "e3"
+    assert main(["train", "--backbone", "eagle3", "--target", str(target_dir), "--features", str(tmp_path / "feat"),
+                 "--out", str(out), "--epochs", "8", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "5",
+                 "--seed", "0", "--draft-vocab", "64", "--ttt-steps", "3", "--cpu"]) == 0
+    capsys.readouterr()
+    head = load_head(out, target)
+    _, info = read_config(out)
+    assert info.backbone == "eagle3" and head.aux_layers == (1, 3, 4) and head.draft_ids.numel() == 64
+    held_out = records[80:]
+    cfg = DecodeConfig(max_new_tokens=24, stop_token_ids=target.stop_token_ids())
+    for rec in held_out[:6]:
+        prompt = chat_ids(target.tokenizer, rec["conversations"][:1])
+        assert generate(target, SingleProposer(head, TreeConfig(20, 4, 4)), prompt, cfg).tokens == \
+            generate(target, None, prompt, cfg).tokens
+    untrained = init_head(target.model.config, seed=0, backbone="eagle3").attach(target)
+    tau_untrained, tau = mean_acceptance(target, untrained, held_out), mean_acceptance(target, head, held_out)
+    print(f"eagle3: acceptance length untrained {tau_untrained:.2f}, trained {tau:.2f}")
+    assert tau_untrained < 1.2
+    assert tau > tau_untrained + 0.3
+    # a features directory without aux layers cannot train an EAGLE-3 head: one line, exit 2
+    assert main(["features", *base, "--data", str(tmp_path / "regen.jsonl"), "--out", str(tmp_path / "plain"),
+                 "--max-len", "96", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--backbone", "eagle3", "--target", str(target_dir), "--features", str(tmp_path / "plain"),
+                 "--out", str(tmp_path / "bad"), "--epochs", "1", "--cpu"]) == 2
+    assert "--aux-layers auto" in capsys.readouterr().err

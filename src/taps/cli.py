@@ -97,6 +97,8 @@ def _add_drafter(sub) -> None:
     init.add_argument("--out", required=True, help="output drafter directory")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--fc-bias", action="store_true", help="build fc with a bias")
+    init.add_argument("--backbone", choices=("eagle2", "eagle3"), default="eagle2",
+                      help="an EAGLE-2 / HASS head, or an EAGLE-3 head (full draft vocabulary, the default layers)")
     init.set_defaults(func=_drafter_init)
     reduce = dsub.add_parser("reduce-vocab", help="copy a drafter with a draft vocabulary: the N most frequent "
                                                   "target tokens of training features (EAGLE-3 / SGLang d2t, t2d)")
@@ -133,7 +135,7 @@ def _drafter_table(args) -> int:
 
 
 def _drafter_init(args) -> int:
-    out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias)
+    out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias, backbone=args.backbone)
     print(f"wrote an untrained drafter for {args.target} to {out}")
     return 0
 

@@ -119,7 +119,7 @@ class Decoder:
     target: Target
     proposer: Proposer | None = None
     committed: list[int] = field(default_factory=list)  # tokens with KV rows in the target cache
-    _features: list[Tensor] = field(default_factory=list)  # chunks of [*, H], aligned with `committed`
+    _features: list[Tensor] = field(default_factory=list)  # chunks of [*, F] (Target.feature_width), aligned with `committed`
 
     def __post_init__(self) -> None:
         if self.proposer is None:
@@ -184,6 +184,8 @@ class Decoder:
         """Prefill whatever the cache does not already hold, sample the first new token (the pending
         one) and start the proposer; returns it and the number of prompt tokens reused."""
         keep = min(_common_prefix(self.committed, context_ids), len(context_ids) - 1) if reuse_prefix else 0
+        if keep and self._features and self._features[0].shape[-1] != self.target.feature_width:
+            keep = 0  # a head attached since then reads target layers the kept features lack
         if keep:
             self.target.truncate(keep)
         else:

@@ -30,7 +30,7 @@ from taps.config import SpeculationConfig
 from taps.drafter.auto_tree import AutoTree, StepCosts
 from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
-from taps.drafter.head import EagleHead
+from taps.drafter.head import DraftHead
 from taps.jsonl import read_json, write_json_atomic
 from taps.stopwatch import now
 from taps.target import Target
@@ -184,7 +184,7 @@ def tree_policy(target, heads: Iterable, speculation: SpeculationConfig):
     decoding and prompt lookup have no tree to size)."""
     if not speculation.auto:
         return None
-    head = next((h for h in heads if isinstance(h, EagleHead)), None)
+    head = next((h for h in heads if isinstance(h, DraftHead)), None)
     if head is None:
         raise ValueError("--tree auto sizes the trees of EAGLE heads and none is given: give a head with --drafter "
                          "(a study: a variant with one), or use fixed trees (eval.tree.mode: fixed)")

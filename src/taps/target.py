@@ -31,10 +31,13 @@ from taps.tree import DraftTree, additive_mask
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
 
 
+LAST_LAYER = -1  # Hugging Face hidden_states index of the last layer (after the final norm: the LM head's input)
+
+
 @dataclass(frozen=True)
 class TargetOut:
     logits: Tensor  # [T, V] (prefill: [1, V], the last position only, unless all_logits=True)
-    features: Tensor  # [T, H] last-layer hidden states (after the final norm: the LM head's input)
+    features: Tensor  # [T, k * H] the captured hidden states (Target.feature_layers), the last layer first
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -93,6 +96,9 @@ class Target:
         self.config = model.config.get_text_config()
         self.cache = kv.new_cache()
         self._tree_start: int | None = None
+        # hidden_states indices whose rows every forward returns, concatenated: the last layer, then
+        # whatever the attached heads read (an EAGLE-3 head's low / middle / high layers)
+        self.feature_layers: tuple[int, ...] = (LAST_LAYER,)
         self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
         self.source_dir: Path | None = None  # the model directory Target.load read (a GGUF's cached conversion)
         self._weights: str | None = None
@@ -171,6 +177,31 @@ class Target:
         """Number of tokens whose KV rows are committed in the cache."""
         return kv.cache_length(self.cache)
 
+    @property
+    def feature_width(self) -> int:
+        """Columns of TargetOut.features: H per captured layer."""
+        return self.hidden_size * len(self.feature_layers)
+
+    def capture(self, layers: tuple[int, ...]) -> Tensor:  # -> [len(layers) * H] long column indices
+        """Also return these hidden_states indices from now on (appended, so columns already handed
+        out stay valid); returns where their H columns each lie in TargetOut.features."""
+        n = int(self.config.num_hidden_layers)
+        for layer in layers:
+            if not (layer == LAST_LAYER or 0 <= layer <= n):
+                raise ValueError(f"hidden_states index {layer} is outside this target's {n + 1} hidden states")
+            if layer not in self.feature_layers:
+                self.feature_layers = (*self.feature_layers, layer)
+        h = self.hidden_size
+        blocks = [self.feature_layers.index(layer) for layer in layers]
+        return torch.cat([torch.arange(b * h, (b + 1) * h) for b in blocks])
+
+    def _features(self, hidden_states: tuple[Tensor, ...], layers: tuple[int, ...] | None = None) -> Tensor:
+        """[B, T, k * H]: the hidden states of `layers` (default: the captured ones), side by side."""
+        layers = self.feature_layers if layers is None else layers
+        if len(layers) == 1:
+            return hidden_states[layers[0]]
+        return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
     def fingerprint(self) -> str | None:
         return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
 
@@ -226,20 +257,22 @@ class Target:
             output_hidden_states=True,
             logits_to_keep=0 if all_logits else 1,
         )
-        return TargetOut(logits=out.logits[0], features=out.hidden_states[-1][0])
+        return TargetOut(logits=out.logits[0], features=self._features(out.hidden_states)[0])
 
     @torch.inference_mode()
-    def encode(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Last-layer features of whole sequences, without touching the cache (for training data).
+    def encode(self, ids: Tensor, attention_mask: Tensor | None = None,
+               layers: tuple[int, ...] = (LAST_LAYER,)) -> Tensor:
+        """Features of whole sequences, without touching the cache (for training data): the
+        hidden states of `layers` side by side (default: the last layer only).
 
-        ids: [B, T] (or [T]); attention_mask: [B, T] with 0 on right padding. Returns [B, T, H].
+        ids: [B, T] (or [T]); attention_mask: [B, T] with 0 on right padding. Returns [B, T, k * H].
         """
         ids = ids.to(self.device, torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
         mask = None if attention_mask is None else attention_mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True,
                          logits_to_keep=1)
-        return out.hidden_states[-1]
+        return self._features(out.hidden_states, layers)
 
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree) -> TargetOut:
@@ -268,7 +301,7 @@ class Target:
             output_hidden_states=True,
         )
         self._tree_start = prefix
-        return TargetOut(logits=out.logits[0], features=out.hidden_states[-1][0])
+        return TargetOut(logits=out.logits[0], features=self._features(out.hidden_states)[0])
 
     def commit(self, nodes: Tensor) -> None:
         """Keep exactly the KV rows of these tree nodes (root first, in path order); drop the rest."""

@@ -2,11 +2,14 @@
 
 `hidden` is the target's last-layer feature at every position (HF hidden_states[-1], the LM
 head's input), computed by teacher forcing over the conversation rendered with the target's
-chat template; `loss_mask` marks the assistant tokens (data/chat.py).
+chat template; `loss_mask` marks the assistant tokens (data/chat.py). With `aux_layers` (what an
+EAGLE-3 head reads, drafter/head3.py) each shard also holds `aux` [N, k * H]: the outputs of those
+decoder layers side by side; the manifest names them.
 
 Layout of a features directory:
     manifest.json              target fingerprint, hidden size, dtype, max_len, data file, counts
     shard-00000.safetensors    input_ids [N] int32, loss_mask [N] uint8, hidden [N, H], offsets [R+1] int64
+                               (+ aux [N, k * H] with aux_layers)
 Shards are written whole and atomically, then the manifest is replaced atomically, so a run
 killed at any point resumes after its last complete shard; a directory made for another target
 (tokenizer fingerprint) or another data file is refused instead of being mixed.
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm
 
 from taps.config import setting
 from taps.data.chat import encode_conversation
+from taps.drafter.head3 import check_aux_layers, default_aux_layers
 from taps.identity import MismatchError, check_same, file_sha256
 from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
@@ -69,6 +73,9 @@ class FeatureSettings:
     dtype: str = setting("bf16", "stored feature dtype", choices=("bf16", "fp16", "fp32"))
     records_per_shard: int = setting(512, at_least=1)
     tokens_per_batch: int = setting(8192, "padded tokens per target forward", at_least=1)
+    aux_layers: str = setting(
+        "", "also store these decoder layers' outputs for EAGLE-3 heads: 'auto' (the engines' default low / middle / "
+            "high layers) or comma-separated layer indices; default: none", metavar="auto|L1,L2,L3")
 
     def __post_init__(self) -> None:
         for name in ("max_len", "records_per_shard", "tokens_per_batch"):
@@ -76,15 +83,32 @@ class FeatureSettings:
                 raise FeaturesError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def resolve_aux_layers(spec: str, num_layers: int) -> list[int]:
+    """FeatureSettings.aux_layers for a target of num_layers decoder layers: [] for none."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    try:
+        if spec == "auto":
+            return list(default_aux_layers(num_layers))
+        parts = [p.strip() for p in spec.split(",")]
+        if not all(p.lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"expected 'auto' or comma-separated layer indices, got {spec!r}")
+        return list(check_aux_layers([int(p) for p in parts], num_layers, "aux_layers"))
+    except ValueError as err:
+        raise FeaturesError(f"--aux-layers: {err}") from None
+
+
 # what a features directory's content depends on: a resume with any other value is refused
 CONTENT_KEYS = ("tokenizer_fingerprint", "target_weights", "target_dtype", "hidden_size", "max_len", "dtype",
-                "data_digest")
+                "data_digest", "aux_layers")
 
 
 def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_records: int) -> dict:
     fresh = {"format_version": FORMAT_VERSION, "tokenizer_fingerprint": target.fingerprint(),
              "target_name": target.name, **target.identity(), "hidden_size": target.hidden_size,
              "dtype": settings.dtype, "max_len": settings.max_len, "data_file": str(data),
+             "aux_layers": resolve_aux_layers(settings.aux_layers, int(target.config.num_hidden_layers)),
              "data_digest": file_digest(data), "records_total": n_records, "records_done": 0, "tokens": 0,
              "assistant_tokens": 0, "truncated_records": 0, "sources": {}, "shards": [], "complete": False}
     path = out / MANIFEST
@@ -93,6 +117,7 @@ def _open_manifest(out: Path, target, data: Path, settings: FeatureSettings, n_r
             raise FeaturesError(f"{out} holds shards but no {MANIFEST}: refusing to mix; use an empty directory")
         return fresh
     manifest = read_manifest(path)
+    manifest.setdefault("aux_layers", [])  # written before aux layers existed: it has none
     try:
         missing = check_same(path, manifest, fresh, CONTENT_KEYS,
                              "these shards belong to another target or data set: use another --out")
@@ -158,15 +183,20 @@ def _extract(target, data: Path, out: Path, records: list[dict], settings: Featu
                 raise FeaturesError(f"{data}: record {first + i + 1} (id {record.get('id')!r}): {err}") from None
             manifest["truncated_records"] += len(ids) > settings.max_len
             encoded.append((ids[: settings.max_len], mask[: settings.max_len]))
-        hidden = _features_in_batches(target, [ids for ids, _ in encoded], settings)
+        layers = (-1, *(layer + 1 for layer in manifest["aux_layers"]))  # hidden_states indices
+        hidden = _features_in_batches(target, [ids for ids, _ in encoded], settings, layers)
         name = f"shard-{len(manifest['shards']):05d}.safetensors"
         lengths = [len(ids) for ids, _ in encoded]
         tensors = {
             "input_ids": torch.tensor([t for ids, _ in encoded for t in ids], dtype=torch.int32),  # [N]
             "loss_mask": torch.tensor([m for _, mask in encoded for m in mask], dtype=torch.uint8),  # [N]
-            "hidden": torch.cat(hidden).to(_DTYPES[settings.dtype]).cpu().contiguous(),  # [N, H]
             "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),  # [R+1]
         }
+        stacked = torch.cat(hidden).to(_DTYPES[settings.dtype]).cpu()  # [N, (1 + k) * H]
+        h = target.hidden_size
+        tensors["hidden"] = stacked[:, :h].contiguous()  # [N, H]
+        if manifest["aux_layers"]:
+            tensors["aux"] = stacked[:, h:].contiguous()  # [N, k * H]
         tmp = out / f".{name}.tmp"
         save_file(tensors, tmp)
         os.replace(tmp, out / name)
@@ -187,8 +217,10 @@ def _extract(target, data: Path, out: Path, records: list[dict], settings: Featu
     return manifest
 
 
-def _features_in_batches(target, sequences: list[list[int]], settings: FeatureSettings) -> list[torch.Tensor]:
-    """Right-padded batches under a padded-token budget; returns one [T_i, H] tensor per sequence."""
+def _features_in_batches(target, sequences: list[list[int]], settings: FeatureSettings,
+                         layers: tuple[int, ...] = (-1,)) -> list[torch.Tensor]:
+    """Right-padded batches under a padded-token budget; returns one [T_i, len(layers) * H] tensor
+    per sequence (the hidden states of `layers`, side by side)."""
     out: list[torch.Tensor | None] = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     batch: list[int] = []
@@ -200,7 +232,7 @@ def _features_in_batches(target, sequences: list[list[int]], settings: FeatureSe
         for row, i in enumerate(batch):
             ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
             mask[row, : len(sequences[i])] = 1
-        hidden = target.encode(ids, mask)  # [B, T, H]
+        hidden = target.encode(ids, mask, layers)  # [B, T, len(layers) * H]
         for row, i in enumerate(batch):
             out[i] = hidden[row, : len(sequences[i])].cpu()
         batch.clear()
@@ -257,8 +289,14 @@ class FeatureShards:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         name, j = self._index[i]
         lo, hi = int(self._offsets[name][j]), int(self._offsets[name][j + 1])
+        keys = ("input_ids", "loss_mask", "hidden", "aux") if self.aux_layers else ("input_ids", "loss_mask", "hidden")
         with safe_open(self.path / name, framework="pt") as f:
-            return {key: f.get_slice(key)[lo:hi] for key in ("input_ids", "loss_mask", "hidden")}
+            return {key: f.get_slice(key)[lo:hi] for key in keys}
+
+    @property
+    def aux_layers(self) -> list[int]:
+        """The decoder layers whose outputs the shards hold as `aux` (EAGLE-3's input); [] for none."""
+        return list(self.manifest.get("aux_layers") or [])
 
 
 class FeatureSet:
@@ -282,13 +320,20 @@ class FeatureSet:
             raise FeaturesError(f"features directories of different targets: hidden sizes {sorted(sizes)}, "
                                 f"tokenizers {sorted(prints)}")
         self.hidden_size = sizes.pop()
+        aux = {tuple(s.aux_layers) for s, _ in self.parts}
+        if len(aux) > 1:
+            raise FeaturesError(f"features directories with different aux layers {sorted(aux)}: extract them all with "
+                                "the same --aux-layers")
+        self.aux_layers = list(aux.pop())
         self.description = " + ".join(f"{s.path}[:{n}]" for s, n in self.parts)
 
     def identity(self) -> str:
         """Digest of what the training records are: each part's data, tokenizer, settings, shards and
         limit (not target_weights, which older manifests lack; the trainer checks the target apart)."""
         keys = ("tokenizer_fingerprint", "hidden_size", "max_len", "dtype", "data_digest", "records_done", "shards")
-        blob = json.dumps([[{k: s.manifest.get(k) for k in keys}, n] for s, n in self.parts], sort_keys=True)
+        # aux layers only where there are some: the identity of features without them stays what it was
+        blob = json.dumps([[{k: s.manifest.get(k) for k in keys} | ({"aux_layers": s.aux_layers} if s.aux_layers else {}),
+                            n] for s, n in self.parts], sort_keys=True)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     @classmethod

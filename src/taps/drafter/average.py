@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from taps.drafter.checkpoint import DrafterInfo, pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.drafter.checkpoint import (DrafterInfo, is_eagle3_config, pop_draft_vocab, read_config, read_weights,
+                                    write_drafter)
 from taps.drafter.head import EagleHead
+from taps.drafter.head3 import Eagle3Head
 from taps.drafter.weights import AverageError, check_weights
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
 MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                   "vocab_size", "rms_norm_eps", "hidden_act")
+                   "vocab_size", "rms_norm_eps", "hidden_act", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
 DEFAULT_LAMBDAS = tuple(round(0.1 * i, 10) for i in range(1, 10))  # 0.1 .. 0.9
 def average_state_dicts(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float] | None = None,
                         names: Sequence[str] | None = None) -> dict[str, Tensor]:
@@ -87,18 +89,38 @@ def average_heads(heads: Sequence[EagleHead], weights: Sequence[float] | None = 
     weights = check_weights(weights, len(heads))
     names = [f"head {i}" for i in range(len(heads))]
     for name, head in zip(names[1:], heads[1:]):
+        if type(head) is not type(heads[0]):
+            raise AverageError(f"averaging stays within one backbone: head 0 is {_kind(heads[0])}, {name} is "
+                               f"{_kind(head)}; their weights do not mean the same thing")
         if head.bias != heads[0].bias:
             raise AverageError(f"fc bias: head 0 has bias={heads[0].bias}, {name} has bias={head.bias}")
+    eagle3 = isinstance(heads[0], Eagle3Head)
+    if eagle3:  # each has its own LM head: row i must be the same token in every head
+        for name, head in zip(names[1:], heads[1:]):
+            if not _same_ids(head.draft_ids, heads[0].draft_ids):
+                raise AverageError(f"draft vocabulary: {name}'s own LM head covers other tokens than head 0's; EAGLE-3 "
+                                   "heads average only with the same draft vocabulary")
     check_configs([h.config.to_dict() for h in heads], names)
     state = average_state_dicts([h.state_dict() for h in heads], weights, names)
     ref = next(heads[0].parameters())
-    out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
+    if eagle3:
+        out = Eagle3Head(copy.deepcopy(heads[0].config))
+    else:
+        out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
     out.load_state_dict(state, strict=True)
     out = out.to(device=ref.device, dtype=ref.dtype).eval()
-    out.set_draft_vocab(union_draft_vocab([h.draft_ids for h in heads]))
+    out.set_draft_vocab(heads[0].draft_ids if eagle3 else union_draft_vocab([h.draft_ids for h in heads]))
     if heads[0].is_bound:
-        out.bind(*heads[0].shared)
+        out.share_target(heads[0])
     return out
+
+
+def _kind(head) -> str:
+    return "an EAGLE-3 head" if isinstance(head, Eagle3Head) else "an EAGLE-2 / HASS head"
+
+
+def _same_ids(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a.cpu(), b.cpu()))
 
 
 def lambda_sweep(head_a: EagleHead, head_b: EagleHead,
@@ -120,6 +142,12 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     weights = check_weights(weights, len(paths))
     labels = [str(p) for p in paths]
     configs, infos = zip(*(read_config(p) for p in paths))
+    kinds = [is_eagle3_config(c) for c in configs]
+    if len(set(kinds)) > 1:
+        other = labels[kinds.index(not kinds[0])]
+        raise AverageError(f"averaging stays within one backbone: {labels[0]} is "
+                           f"{'an EAGLE-3' if kinds[0] else 'an EAGLE-2 / HASS'} head, {other} is "
+                           f"{'an EAGLE-3' if not kinds[0] else 'an EAGLE-2 / HASS'} head")
     check_configs(configs, labels)
     biases = [bool(c.get("bias", False)) for c in configs]
     if len(set(biases)) > 1:
@@ -133,7 +161,11 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
         warnings.warn("some drafters carry no taps.tokenizer_fingerprint (foreign checkpoints?); "
                       "their target could not be checked")
     tensors = [read_weights(p) for p in paths]
-    draft_ids = union_draft_vocab([pop_draft_vocab(t, c, p) for t, c, p in zip(tensors, configs, paths)])
+    vocabs = [pop_draft_vocab(t, c, p) for t, c, p in zip(tensors, configs, paths)]
+    if kinds[0] and not all(_same_ids(v, vocabs[0]) for v in vocabs[1:]):
+        raise AverageError(f"draft vocabulary: the EAGLE-3 heads {', '.join(labels)} have their own LM heads over "
+                           "different tokens; they average only with the same draft vocabulary")
+    draft_ids = vocabs[0] if kinds[0] else union_draft_vocab(vocabs)
     state = average_state_dicts(tensors, weights, labels)
 
     names = list(names) if names is not None else [p.name for p in paths]

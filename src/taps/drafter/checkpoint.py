@@ -29,7 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
-from taps.drafter.head import EagleHead, head_config_for
+from taps.drafter.head import DraftHead, EagleHead, head_config_for
+from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
+from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
 from taps.identity import file_sha256
 from taps.jsonl import read_json
 from taps.target import tokenizer_fingerprint
@@ -41,7 +43,8 @@ FORMAT_VERSION = 1
 IGNORED_FOREIGN_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
 # config.json entries that are not LlamaConfig fields of the head (or do not concern it)
 NOT_HEAD_CONFIG = ("taps", "bias", "architectures", "rope_theta", "model_type", "transformers_version",
-                   "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "draft_vocab_size")
+                   "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "draft_vocab_size",
+                   "eagle_config", AUX_LAYERS_KEY, "target_hidden_size")
 DRAFT_VOCAB_KEYS = ("d2t", "t2d")
 
 
@@ -72,11 +75,21 @@ class DrafterInfo:
                    extra={k: v for k, v in block.items() if k not in known})
 
 
-def init_head(target_config, seed: int = 0, bias: bool = False, attn_implementation: str = "sdpa") -> EagleHead:
-    """An untrained head sized for a target, reproducible for a seed."""
+def init_head(target_config, seed: int = 0, bias: bool = False, attn_implementation: str = "sdpa",
+              backbone: str = "eagle2", draft_vocab_size: int | None = None, aux_layers=None) -> DraftHead:
+    """An untrained head sized for a target, reproducible for a seed: an EAGLE-3 head for
+    backbone "eagle3" (drafting over draft_vocab_size tokens, reading aux_layers), else EAGLE-2's."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if backbone == "eagle3":
+            if bias:
+                raise ValueError("an EAGLE-3 head's fc has no bias")
+            return Eagle3Head(eagle3_config_for(target_config, draft_vocab_size, aux_layers, attn_implementation))
         return EagleHead(head_config_for(target_config, attn_implementation), bias=bias)
+
+
+def is_eagle3_config(config: dict) -> bool:
+    return any("Eagle3" in str(a) for a in config.get("architectures") or [])
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -150,22 +163,31 @@ def write_drafter(out_dir: str | Path, config: dict, tensors: dict[str, torch.Te
     return out
 
 
-def save_head(head: EagleHead, out_dir: str | Path, info: DrafterInfo, export_fc_bias: bool = False) -> Path:
+def save_head(head: DraftHead, out_dir: str | Path, info: DrafterInfo, export_fc_bias: bool = False) -> Path:
     """Write config.json + model.safetensors; each file is replaced atomically.
 
-    export_fc_bias writes a zero `fc.bias` for engines that always build fc with a bias (SGLang).
-    A head's draft vocabulary is written as draft_vocab_size + d2t + t2d (module docstring).
+    export_fc_bias writes a zero `fc.bias` for engines that always build fc with a bias (SGLang's
+    EAGLE-2 loader). A head's draft vocabulary is written as draft_vocab_size + d2t + t2d (module
+    docstring). An EAGLE-3 head is written in the engines' EAGLE-3 layout (drafter/head3.py).
     """
     tensors = dict(head.state_dict())
-    bias = head.bias
-    if export_fc_bias and "fc.bias" not in tensors:
-        tensors["fc.bias"] = torch.zeros(head.config.hidden_size, dtype=tensors["fc.weight"].dtype)
-        bias = True
     config = head.config.to_dict()
     config.pop("_attn_implementation", None)
-    config["architectures"] = ["LlamaForCausalLMEagle"]
     config["num_hidden_layers"] = 1
-    config["bias"] = bias
+    if isinstance(head, Eagle3Head):
+        if export_fc_bias:
+            raise ValueError("an EAGLE-3 head's fc has no bias")
+        config["architectures"] = [EAGLE3_ARCHITECTURE]
+        config["bias"] = False
+        config[AUX_LAYERS_KEY] = list(head.aux_layers)
+        config["eagle_config"] = {AUX_LAYERS_KEY: list(head.aux_layers), "use_aux_hidden_state": True}
+    else:
+        bias = head.bias
+        if export_fc_bias and "fc.bias" not in tensors:
+            tensors["fc.bias"] = torch.zeros(head.config.hidden_size, dtype=tensors["fc.weight"].dtype)
+            bias = True
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        config["bias"] = bias
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]  # top-level copy for engines that read it there
@@ -208,7 +230,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> EagleHead:
+def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> DraftHead:
     """Load a drafter strictly for `target` (a taps Target), bound to its embedding and LM head.
     Its `taps` block (DrafterInfo) is read_config(path)[1]."""
     path = Path(path)
@@ -238,7 +260,10 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> Ea
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{cfg_path}: not a valid Llama head config ({err})") from None
     head_config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
-    head = EagleHead(head_config, bias=bool(config.get("bias", "fc.bias" in tensors)))
+    if is_eagle3_config(config):
+        head = Eagle3Head(_eagle3_fields(head_config, config, target, cfg_path, draft_ids))
+    else:
+        head = EagleHead(head_config, bias=bool(config.get("bias", "fc.bias" in tensors)))
 
     expected = head.state_dict()
     missing = sorted(set(expected) - set(tensors))
@@ -253,10 +278,34 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> Ea
                 f"{weights}: key {key} has shape {tuple(tensors[key].shape)}, expected {tuple(value.shape)} for this target")
     head.load_state_dict(tensors, strict=True)
     head = head.to(device=target.device, dtype=target.dtype).eval().set_draft_vocab(draft_ids)
-    return head.bind(target.embed_tokens, target.lm_head)
+    return head.attach(target)
 
 
-def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False) -> Path:
+def _eagle3_fields(head_config: LlamaConfig, config: dict, target, cfg_path: Path, draft_ids) -> LlamaConfig:
+    """The EAGLE-3 entries of config.json, checked against the target: the layers it reads (top
+    level or under eagle_config; the engines' default without either), their width and the draft
+    vocabulary's size."""
+    layers = int(target.config.num_hidden_layers)
+    nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    aux = config.get(AUX_LAYERS_KEY, nested.get(AUX_LAYERS_KEY))
+    try:
+        ref = eagle3_config_for(target.config, config.get("draft_vocab_size"), aux)
+        if aux is not None:
+            check_aux_layers(aux, layers, str(cfg_path))
+    except ValueError as err:
+        raise CheckpointError(str(err) if str(cfg_path) in str(err) else f"{cfg_path}: {err}") from None
+    width = config.get("target_hidden_size", target.hidden_size)
+    if width != target.hidden_size:
+        raise CheckpointError(f"{cfg_path}: target_hidden_size is {width}, the target's hidden size is {target.hidden_size}")
+    for key in ("architectures", "draft_vocab_size", "target_hidden_size", AUX_LAYERS_KEY):
+        setattr(head_config, key, getattr(ref, key))
+    if draft_ids is None and ref.draft_vocab_size != ref.vocab_size:
+        raise CheckpointError(f"{cfg_path}: draft_vocab_size {ref.draft_vocab_size} needs d2t / t2d in {WEIGHTS_NAME}")
+    return head_config
+
+
+def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False,
+                    backbone: str = "eagle2") -> Path:
     """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
     and tokenizer only (the target's weights are not loaded)."""
     name = target_name(target_dir)
@@ -268,7 +317,10 @@ def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, 
         fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_dir))
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"{target_dir}: no loadable tokenizer ({err})") from None
-    head = init_head(config, seed=seed, bias=bias)
+    try:
+        head = init_head(config, seed=seed, bias=bias, backbone=backbone)
+    except ValueError as err:
+        raise CheckpointError(f"{target_dir}: {err}") from None
     info = DrafterInfo(backbone="untrained", target_name=name, tokenizer_fingerprint=fingerprint,
-                       extra={"seed": seed})
+                       extra={"seed": seed, "architecture": backbone})
     return save_head(head, out_dir, info)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from taps import kv
-from taps.drafter.head import EagleHead
+from taps.drafter.head import DraftHead
 from taps.tree import additive_mask
 
 
@@ -33,12 +33,14 @@ def causal_block_mask(new: int, past: int, dtype: torch.dtype, device) -> Tensor
 
 
 @torch.inference_mode()
-def consume(head: EagleHead, ctx: HeadContext | None, next_tokens: Tensor, features: Tensor) -> HeadContext:
+def consume(head: DraftHead, ctx: HeadContext | None, next_tokens: Tensor, features: Tensor) -> HeadContext:
     """Feed pairs (features[i], next_tokens[i]) to the head, after the pairs already in `ctx`.
 
     next_tokens: [T] long, the token that follows each feature's position; the last one becomes
-    the new root. features: [T, H] true target features.
+    the new root. features: [T, F] true target features as the Target returns them (the head
+    takes its own layers out of them: DraftHead.select_features).
     """
+    features = head.select_features(features)  # [T, H], or [T, 3H] for an EAGLE-3 head
     if ctx is None:
         ctx = HeadContext(cache=kv.new_cache(), length=0, root_token=-1, root_hidden=features[-1])
     t = int(next_tokens.shape[0])

@@ -48,46 +48,94 @@ def head_config_for(target_config, attn_implementation: str = "sdpa") -> LlamaCo
     return config
 
 
-class EagleHead(nn.Module):
-    def __init__(self, config: LlamaConfig, bias: bool = False):
-        super().__init__()
-        h = config.hidden_size
-        self.config = config
-        self.bias = bias
-        self.fc = nn.Linear(2 * h, h, bias=bias)
-        layer = LlamaDecoderLayer(config, layer_idx=0)
-        layer.input_layernorm = nn.Identity()  # EAGLE: no norm on the layer's input
-        self.layers = nn.ModuleList([layer])
-        self.rotary_emb = LlamaRotaryEmbedding(config)  # buffers only, not persistent
+class DraftHead(nn.Module):
+    """What every draft head shares (EAGLE-2 / HASS `EagleHead`, EAGLE-3 `Eagle3Head` in
+    drafter/head3.py): the target's embedding (and LM head) used by reference, an optional draft
+    vocabulary, and which of the target's hidden states it reads. The decoder, tree expansion,
+    compositions and training talk to this interface only, so a backbone is a subclass.
+
+    Features: a Target returns, per position, the concatenation of the hidden-state layers it
+    captures (`Target.feature_layers`, the last layer always first). A head names the layers it
+    needs (`feature_layers`, Hugging Face `hidden_states` indices); `attach(target)` asks the
+    target to capture them and remembers where their columns lie, and `select_features` takes
+    them out of the target's output.
+    """
+
+    config: LlamaConfig
+
+    def _init_shared(self) -> None:
         self._shared: tuple[nn.Module, nn.Module] | None = None
         # [N] long target id of each draft index, or None (the full vocabulary); not in state_dict
         self.register_buffer("draft_ids", None, persistent=False)
         self._draft_rows: tuple[tuple, Tensor, Tensor | None] | None = None  # (key, weight [N, H], bias [N])
+        self._columns: slice | Tensor | None = None  # this head's columns of the target's features ([k * H] long)
 
-    def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "EagleHead":
+    # ---- the target --------------------------------------------------------------------------
+    feature_layers: tuple[int, ...] = (-1,)  # hidden_states indices this head reads; -1: the last layer
+
+    def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "DraftHead":
         """Use the target's embedding and LM head by reference (a plain tuple: not submodules,
         so they never appear in parameters(), state_dict() or an optimizer)."""
         self._shared = (embed_tokens, lm_head)
         self._draft_rows = None
         return self
 
-    def set_draft_vocab(self, draft_ids: Tensor | None) -> "EagleHead":
+    def attach(self, target) -> "DraftHead":
+        """Bind to a taps Target and make it capture the hidden states this head reads."""
+        self.bind(target.embed_tokens, target.lm_head)
+        columns = target.capture(self.feature_layers)  # [k * H] long
+        start = int(columns[0])
+        contiguous = bool((columns == torch.arange(start, start + columns.numel())).all())
+        self._columns = slice(start, start + columns.numel()) if contiguous else columns
+        return self
+
+    def share_target(self, other: "DraftHead") -> "DraftHead":
+        """Use the same target as `other` (its embedding, LM head and feature columns)."""
+        self.bind(*other.shared)
+        self._columns = other._columns
+        return self
+
+    def select_features(self, features: Tensor) -> Tensor:  # [..., F] target output -> [..., k * H]
+        """This head's layers out of the target's features (the first H columns, the last layer,
+        when the head was only bound, not attached)."""
+        h = int(self.config.hidden_size)
+        if self._columns is None:
+            return features[..., :h] if features.shape[-1] != h else features
+        if isinstance(self._columns, slice):
+            return features[..., self._columns]  # a view: the usual case (the layers were captured in order)
+        return features.index_select(-1, self._columns.to(features.device))
+
+    @property
+    def is_bound(self) -> bool:
+        return self._shared is not None
+
+    @property
+    def shared(self) -> tuple[nn.Module, nn.Module]:
+        """The target's (embedding, LM head) this head uses."""
+        if self._shared is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a target: call head.bind(embed_tokens, lm_head)")
+        return self._shared
+
+    # ---- the draft vocabulary ------------------------------------------------------------------
+    def _check_draft_ids(self, draft_ids: Tensor | None) -> Tensor | None:
+        if draft_ids is None:
+            return None
+        ids = torch.as_tensor(draft_ids).detach()
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"draft_ids must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        ids = ids.long().cpu().clone()  # our own copy: the caller's tensor may change
+        v = self.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"draft_ids must lie in [0, {v}), got {int(ids.min())}..{int(ids.max())}")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("draft_ids must be distinct and sorted ascending")
+        return ids.to(self.fc.weight.device)
+
+    def set_draft_vocab(self, draft_ids: Tensor | None) -> "DraftHead":
         """Draft over these target ids only ([N], distinct, ascending, within the LM head's
-        vocab_size), or over the full vocabulary (None). The weights do not change: only which
-        rows of the target's LM head give the logits."""
-        if draft_ids is not None:
-            ids = torch.as_tensor(draft_ids).detach()
-            if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-                raise ValueError(f"draft_ids must be a non-empty 1-D integer tensor, got {ids.dtype} "
-                                 f"{tuple(ids.shape)}")
-            ids = ids.long().cpu().clone()  # our own copy: the caller's tensor may change
-            v = self.config.vocab_size
-            if int(ids.min()) < 0 or int(ids.max()) >= v:
-                raise ValueError(f"draft_ids must lie in [0, {v}), got {int(ids.min())}..{int(ids.max())}")
-            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-                raise ValueError("draft_ids must be distinct and sorted ascending")
-            draft_ids = ids.to(self.fc.weight.device)
-        self.draft_ids = draft_ids
+        vocab_size), or over the full vocabulary (None)."""
+        self.draft_ids = self._check_draft_ids(draft_ids)
         self._draft_rows = None
         return self
 
@@ -100,16 +148,46 @@ class EagleHead(nn.Module):
         """Target token ids of draft indices (the identity without a draft vocabulary)."""
         return index if self.draft_ids is None else self.draft_ids[index]
 
-    @property
-    def is_bound(self) -> bool:
-        return self._shared is not None
+    def target_logits(self, hidden: Tensor) -> Tensor:  # [..., H] target feature -> [..., V] or [..., N]
+        """The TARGET's LM head over the draft vocabulary: its next-token logits at a true last-layer
+        feature, the teacher of every training loss (for an EAGLE-2 head also its own logits)."""
+        _, lm_head = self.shared
+        if self.draft_ids is None:
+            return lm_head(hidden)
+        weight, bias = self._draft_lm_head(lm_head)
+        return F.linear(hidden, weight, bias)  # [..., N]
 
-    @property
-    def shared(self) -> tuple[nn.Module, nn.Module]:
-        """The target's (embedding, LM head) this head uses."""
-        if self._shared is None:
-            raise RuntimeError("EagleHead is not bound to a target: call head.bind(embed_tokens, lm_head)")
-        return self._shared
+    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """The LM head's rows of the draft vocabulary ([N, H], bias [N] or None), sliced on first
+        use after a bind and again only if the LM head's weight changed device, dtype or storage.
+        Sliced outside inference mode (a tensor made inside it could not be saved for backward in
+        a later training step) and without grad: the LM head is the target's, frozen."""
+        weight = lm_head.weight
+        key = (weight.device, weight.dtype, weight.data_ptr(), self.draft_ids.device, self.draft_ids.data_ptr())
+        if self._draft_rows is None or self._draft_rows[0] != key:
+            bias = getattr(lm_head, "bias", None)
+            with torch.inference_mode(False), torch.no_grad():
+                ids = self.draft_ids.to(weight.device)
+                rows = weight.index_select(0, ids)  # [N, H]
+                rows_bias = bias.index_select(0, ids) if bias is not None else None  # [N]
+            self._draft_rows = (key, rows, rows_bias)
+        return self._draft_rows[1], self._draft_rows[2]
+
+
+class EagleHead(DraftHead):
+    """The EAGLE-2 / HASS head (module docstring)."""
+
+    def __init__(self, config: LlamaConfig, bias: bool = False):
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.bias = bias
+        self.fc = nn.Linear(2 * h, h, bias=bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()  # EAGLE: no norm on the layer's input
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)  # buffers only, not persistent
+        self._init_shared()
 
     def forward(
         self,
@@ -132,24 +210,5 @@ class EagleHead(nn.Module):
         )
 
     def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V], or [..., N] with a draft vocabulary
-        _, lm_head = self.shared
-        if self.draft_ids is None:
-            return lm_head(hidden)
-        weight, bias = self._draft_lm_head(lm_head)
-        return F.linear(hidden, weight, bias)  # [..., N]
-
-    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
-        """The LM head's rows of the draft vocabulary ([N, H], bias [N] or None), sliced on first
-        use after a bind and again only if the LM head's weight changed device, dtype or storage.
-        Sliced outside inference mode (a tensor made inside it could not be saved for backward in
-        a later training step) and without grad: the LM head is the target's, frozen."""
-        weight = lm_head.weight
-        key = (weight.device, weight.dtype, weight.data_ptr(), self.draft_ids.device, self.draft_ids.data_ptr())
-        if self._draft_rows is None or self._draft_rows[0] != key:
-            bias = getattr(lm_head, "bias", None)
-            with torch.inference_mode(False), torch.no_grad():
-                ids = self.draft_ids.to(weight.device)
-                rows = weight.index_select(0, ids)  # [N, H]
-                rows_bias = bias.index_select(0, ids) if bias is not None else None  # [N]
-            self._draft_rows = (key, rows, rows_bias)
-        return self._draft_rows[1], self._draft_rows[2]
+        """The head's draft logits: the target's own LM head (rows of the draft vocabulary)."""
+        return self.target_logits(hidden)

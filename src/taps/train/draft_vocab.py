@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from taps.data.features import FeatureSet
-from taps.drafter.checkpoint import pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.drafter.checkpoint import is_eagle3_config, pop_draft_vocab, read_config, read_weights, write_drafter
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,9 @@ def reduce_vocab(drafter: str | Path, features: Sequence[str], size: int, out_di
     gets the new one instead. The target's stop tokens are not known here (no target is loaded)."""
     drafter = Path(drafter)
     config, info = read_config(drafter)
+    if is_eagle3_config(config):
+        raise ValueError(f"{drafter}: an EAGLE-3 head's own LM head fixes its draft vocabulary (one row per token); "
+                         "train a new head with --draft-vocab N instead")
     check_size(size, int(config["vocab_size"]))
     tensors = read_weights(drafter)
     pop_draft_vocab(tensors, config, drafter)  # checked, then replaced

@@ -36,7 +36,7 @@ from taps.target import Target
 from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
 DOMAINS = ("chat", "math", "mixed-small", "mixed-large")
-BACKBONES = ("eagle2", "hass")
+BACKBONES = ("eagle2", "hass", "eagle3")
 
 
 @dataclass
@@ -51,7 +51,7 @@ class DrafterRecipe:
     batch_size: int = 8
     warmup_steps: int = 100
     seed: int = 0
-    backbones: tuple[str, ...] = BACKBONES
+    backbones: tuple[str, ...] = ("eagle2", "hass")  # the shipped family; add "eagle3" for its EAGLE-3 heads
     domains: tuple[str, ...] = DOMAINS
     threads: int | None = None
     device: str = "cpu"  # the target's device for features and training ("auto" takes a GPU)
@@ -114,8 +114,9 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path
     return ordered
 
 
-def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
+def feature_specs(domain: str, work: Path, backbone: str, n: int) -> list[str]:
     """The features each training set uses: whole domains, or the first N/2 of each."""
+    features = {source: feature_dir(work, source, backbone) for source in ("chat", "math")}
     if domain == "mixed-small":
         return [f"{features['chat']}:{n // 2}", f"{features['math']}:{n // 2}"]
     return [str(features[source]) for source in SOURCES[domain]]
@@ -125,6 +126,9 @@ def feature_specs(domain: str, features: dict[str, Path], n: int) -> list[str]:
 # 3.8x (bf16) on dense random batches on an AMD Zen 5 core, while an earlier build's logs (bf16, real
 # features, an AMX CPU) read nearer 1.3x. Only the order of the heads depends on it (longest_first).
 HASS_COST = 3.0
+# EAGLE-3's training-time test unrolls 7 steps (HASS: 3) over a wider input: a guess, not yet measured
+# on a quiet machine; like HASS_COST it only orders the heads.
+EAGLE3_COST = 5.0
 
 
 def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
@@ -132,7 +136,8 @@ def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
     for balancing heads over worker processes."""
     chat, math = tokens.get("chat", 0), tokens.get("math", 0)
     per_domain = {"chat": chat, "math": math, "mixed-small": (chat + math) / 2, "mixed-large": chat + math}
-    return {(b, d): per_domain[d] * (HASS_COST if b == "hass" else 1.0) for b in BACKBONES for d in DOMAINS}
+    cost = {"hass": HASS_COST, "eagle3": EAGLE3_COST}
+    return {(b, d): per_domain[d] * cost.get(b, 1.0) for b in BACKBONES for d in DOMAINS}
 
 
 def longest_first(heads: list[tuple[str, str]], costs: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
@@ -198,22 +203,32 @@ def _record(out: Path, recipe: DrafterRecipe, name: str | None = None, entry: di
     return summary
 
 
-def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math")) -> tuple[dict[str, Path], dict[str, int]]:
-    """Data and features of the source domains (skipped when done): their directories and token
-    counts. Only the domains the pending heads draw from are prepared, so the math heads can train
-    while the chat data is still being regenerated elsewhere."""
-    features, tokens = {}, {}
+def feature_dir(work: Path, domain: str, backbone: str) -> Path:
+    """EAGLE-3 heads read the target's low / middle / high layers too: their features live apart, so
+    the EAGLE-2 / HASS features (and their resumes) stay what they were."""
+    return work / (f"features-aux-{domain}" if backbone == "eagle3" else f"features-{domain}")
+
+
+def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math"),
+              backbones: tuple[str, ...] = ("eagle2",)) -> dict[str, int]:
+    """Data and features of the source domains (skipped when done) for the pending heads'
+    backbones: their token counts. Only the domains the pending heads draw from are prepared, so
+    the math heads can train while the chat data is still being regenerated elsewhere."""
+    tokens = {}
+    kinds = sorted({"eagle3" if b == "eagle3" else "eagle2" for b in backbones})
     for domain, path in _domain_data(recipe, work, target, sources).items():
-        features[domain] = work / f"features-{domain}"
-        manifest = extract_features(target, path, features[domain], FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype))
-        tokens[domain] = int(manifest["tokens"])
-        log(f"features {domain}: {manifest['records_done']} records, {manifest['tokens']:,} tokens, "
-            f"{manifest['assistant_tokens']:,} assistant tokens")
-    return features, tokens
+        for kind in kinds:
+            settings = FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype,
+                                       aux_layers="auto" if kind == "eagle3" else "")
+            manifest = extract_features(target, path, feature_dir(work, domain, kind), settings)
+            tokens[domain] = int(manifest["tokens"])
+            log(f"features {domain} ({kind}): {manifest['records_done']} records, {manifest['tokens']:,} tokens, "
+                f"{manifest['assistant_tokens']:,} assistant tokens")
+    return tokens
 
 
-def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: Path, work: Path, backbone: str,
-                domain: str, progress: bool = True) -> None:
+def _train_head(recipe: DrafterRecipe, target, out: Path, work: Path, backbone: str, domain: str,
+                progress: bool = True) -> None:
     from accelerate import Accelerator
 
 
@@ -229,7 +244,8 @@ def _train_head(recipe: DrafterRecipe, target, features: dict[str, Path], out: P
     acc = Accelerator(mixed_precision=recipe.mixed_precision, cpu=target.device.type == "cpu" and torch.cuda.is_available())
     t0 = time.time()
     with writer_lock(run_dir):
-        trainer = Trainer(target, feature_specs(domain, features, recipe.n_per_domain), run_dir, cfg, accelerator=acc)
+        trainer = Trainer(target, feature_specs(domain, work, backbone, recipe.n_per_domain), run_dir, cfg,
+                          accelerator=acc)
         if trainer.resume():
             log(f"{name}: resumed at step {trainer.step}/{trainer.total_steps}")
         else:
@@ -259,10 +275,9 @@ def _worker(recipe: DrafterRecipe, target_dir: str, out: str, work: str, order: 
     none is left, with its share of the cores."""
     torch.set_num_threads(threads)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
-    features = {domain: Path(work) / f"features-{domain}" for domain in ("chat", "math")}  # those the heads need exist
-    for backbone, domain in workers.untaken(order, taken):
+    for backbone, domain in workers.untaken(order, taken):  # the features the heads need exist
         log(f"worker {index}: {backbone}-{domain}")
-        _train_head(recipe, target, features, Path(out), Path(work), backbone, domain, progress=False)
+        _train_head(recipe, target, Path(out), Path(work), backbone, domain, progress=False)
 
 
 def _run_workers(recipe: DrafterRecipe, target_dir, out: Path, work: Path, order: list, jobs: int) -> None:
@@ -306,7 +321,7 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         return _record(out, recipe)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
     sources = tuple(d for d in ("chat", "math") if any(d in SOURCES[domain] for _, domain in pending))
-    features, tokens = _features(recipe, target, work, sources)
+    tokens = _features(recipe, target, work, sources, tuple(b for b, _ in pending))
     if jobs > 1 and len(pending) > 1:
         del target
         _run_workers(recipe, target_dir, out, work, longest_first(pending, head_costs(tokens)), jobs)
@@ -314,7 +329,7 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         if recipe.threads:
             torch.set_num_threads(recipe.threads)
         for backbone, domain in pending:
-            _train_head(recipe, target, features, out, work, backbone, domain)
+            _train_head(recipe, target, out, work, backbone, domain)
     return _record(out, recipe)
 
 

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from taps import kv
 from taps.drafter.context import causal_block_mask
-from taps.drafter.head import EagleHead
+from taps.drafter.head import DraftHead
 
 
 # ---- the batch -------------------------------------------------------------------------------
@@ -67,9 +67,13 @@ class TrainBatch:
     hidden: Tensor  # [B, T, H] target features (HF hidden_states[-1], after the final norm)
     loss_mask: Tensor  # [B, T] 1 on assistant tokens (any value on padding)
     lengths: Tensor  # [B] long, real tokens per row (positions >= length are padding)
+    aux: Tensor | None = None  # [B, T, k * H] the target's low / middle / high layers (EAGLE-3's input), or None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
+        if self.aux is not None and self.aux.shape[:2] != (b, t):
+            raise ValueError(f"TrainBatch shapes disagree: input_ids {tuple(self.input_ids.shape)}, aux "
+                             f"{tuple(self.aux.shape)}")
         if self.hidden.shape[:2] != (b, t) or self.loss_mask.shape != (b, t) or self.lengths.shape != (b,):
             raise ValueError(
                 f"TrainBatch shapes disagree: input_ids {tuple(self.input_ids.shape)}, hidden "
@@ -82,19 +86,23 @@ class TrainBatch:
             raise ValueError(f"TrainBatch.lengths must lie in [0, {t}], got {self.lengths.tolist()}")
 
 
-def pad_batch(samples: Sequence[tuple[Tensor, Tensor, Tensor]]) -> TrainBatch:
-    """Right-pad (input_ids [T_i], hidden [T_i, H], loss_mask [T_i]) samples into one TrainBatch."""
-    lengths = torch.tensor([int(ids.shape[0]) for ids, _, _ in samples], dtype=torch.long)  # [B]
+def pad_batch(samples: Sequence[tuple[Tensor, ...]]) -> TrainBatch:
+    """Right-pad (input_ids [T_i], hidden [T_i, H], loss_mask [T_i][, aux [T_i, k * H]]) samples into
+    one TrainBatch (aux: every sample has it, or none)."""
+    lengths = torch.tensor([int(sample[0].shape[0]) for sample in samples], dtype=torch.long)  # [B]
     t = int(lengths.max())
-    ids0, hidden0, mask0 = samples[0]
-    b, h = len(samples), hidden0.shape[-1]
-    input_ids = torch.zeros(b, t, dtype=torch.long, device=ids0.device)  # [B, T]
-    hidden = torch.zeros(b, t, h, dtype=hidden0.dtype, device=hidden0.device)  # [B, T, H]
-    loss_mask = torch.zeros(b, t, dtype=mask0.dtype, device=mask0.device)  # [B, T]
-    for i, (ids, feats, mask) in enumerate(samples):
-        n = int(ids.shape[0])
-        input_ids[i, :n], hidden[i, :n], loss_mask[i, :n] = ids, feats, mask
-    return TrainBatch(input_ids=input_ids, hidden=hidden, loss_mask=loss_mask, lengths=lengths.to(ids0.device))
+    ids0, hidden0, mask0 = samples[0][:3]
+    b = len(samples)
+
+    def padded(column: int, like: Tensor) -> Tensor:  # [B, T, ...] zeros, then each sample's rows
+        out = torch.zeros(b, t, *like.shape[1:], dtype=like.dtype, device=like.device)
+        for i, sample in enumerate(samples):
+            out[i, : sample[column].shape[0]] = sample[column]
+        return out
+
+    aux = padded(3, samples[0][3]) if len(samples[0]) > 3 else None  # [B, T, k * H]
+    return TrainBatch(input_ids=padded(0, ids0), hidden=padded(1, hidden0), loss_mask=padded(2, mask0),
+                      lengths=lengths.to(ids0.device), aux=aux)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,7 @@ class HeadPairs:
     """The batch seen as head input pairs t = 0..T-2 and their targets (see the module docstring)."""
 
     tokens: Tensor  # [B, T-1] input_ids[t+1]
-    features: Tensor  # [B, T-1, H] hidden[t]
+    features: Tensor  # [B, T-1, H] hidden[t] (EAGLE-3: [B, T-1, k * H] aux[t], the head's input layers)
     targets: Tensor  # [B, T-1, H] hidden[t+1]
     positions: Tensor  # [B, T-1] rotary position t
     weight: Tensor  # [B, T-1] bool: loss_mask[t+1] == 1 and t + 1 < length
@@ -115,7 +123,7 @@ def head_pairs(batch: TrainBatch) -> HeadPairs:
     real = nxt[None] < batch.lengths[:, None]  # [B, T-1]
     return HeadPairs(
         tokens=batch.input_ids[:, 1:],  # [B, T-1]
-        features=batch.hidden[:, :-1],  # [B, T-1, H]
+        features=(batch.hidden if batch.aux is None else batch.aux)[:, :-1],  # [B, T-1, H] (or [B, T-1, k * H])
         targets=batch.hidden[:, 1:],  # [B, T-1, H]
         positions=(nxt - 1).expand(b, t - 1),  # [B, T-1]
         weight=(batch.loss_mask[:, 1:] != 0) & real,  # [B, T-1]
@@ -173,6 +181,37 @@ class HassConfig(Eagle2Config):
 
 
 @dataclass(frozen=True)
+class Eagle3Config:
+    """EAGLE-3's training-time test: `steps` forward passes unrolled, step j fed the head's own
+    outputs of step j-1 under the attention inference would use (`alignment_mask`), a token loss
+    at every step weighted step_decay ** (j-1), and no feature regression. The defaults are the
+    reference's (7 steps, 0.8). `detach`: cut the gradient between steps as HASS does (the
+    reference lets it flow). No input noise: the reference adds none.
+
+    The target's distribution is over the draft vocabulary, renormalised, as for the other
+    backbones; the reference instead drops positions whose target argmax lies outside it, which
+    needs the full [positions, V] LM head every step."""
+
+    steps: int = 7
+    step_decay: float = 0.8
+    detach: bool = False
+    top1: bool = True
+    compile: bool = False
+    noise_width: float = 0.0  # fixed: read by code that handles every backbone's config
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"Eagle3Config.steps must be >= 1, got {self.steps}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"Eagle3Config.step_decay must lie in (0, 1], got {self.step_decay}")
+        if self.noise_width != 0:
+            raise ValueError("EAGLE-3 training adds no input noise (noise_width must be 0)")
+
+
+LossConfig = Eagle2Config | HassConfig | Eagle3Config
+
+
+@dataclass(frozen=True)
 class StepLoss:
     """One forward step's terms, each a mean over its counted positions."""
 
@@ -202,7 +241,7 @@ class LossOutput:
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
-def _require_frozen_shared(head: EagleHead) -> None:
+def _require_frozen_shared(head: DraftHead) -> None:
     """The embedding and LM head are the target's, shared and frozen (docs/spec.md §1). If they required
     grad, every step would compute (and an optimizer might apply) a vocabulary-sized gradient."""
     embed, lm_head = head.shared
@@ -230,14 +269,14 @@ def add_uniform_noise(features: Tensor, width: float, generator: torch.Generator
 
 
 @torch.no_grad()
-def target_distribution(head: EagleHead, targets: Tensor) -> Tensor:  # [..., H] -> [..., V] (or [..., N])
+def target_distribution(head: DraftHead, targets: Tensor) -> Tensor:  # [..., H] -> [..., V] (or [..., N])
     """softmax(lm_head(true feature)): the target's own next-token distribution, a constant. With
-    a draft vocabulary, over its N tokens only, renormalised (the head's logits use the same rows)."""
-    return torch.softmax(head.logits(targets).float(), dim=-1)
+    a draft vocabulary, over its N tokens only, renormalised (the head's logits cover the same tokens)."""
+    return torch.softmax(head.target_logits(targets).float(), dim=-1)
 
 
 @torch.no_grad()
-def target_argmax(head: EagleHead, targets: Tensor, q: Tensor) -> Tensor:  # [P, H], [P, V|N] -> [P] target ids
+def target_argmax(head: DraftHead, targets: Tensor, q: Tensor) -> Tensor:  # [P, H], [P, V|N] -> [P] target ids
     """The target's greedy next token at each true feature: argmax q, or with a draft vocabulary
     the argmax of the target's FULL LM head (q covers only the draft tokens, and a target token
     the head cannot propose must count as a miss, not be hidden)."""
@@ -325,12 +364,16 @@ def step_terms(predicted: Tensor, logits: Tensor, teacher: Teacher, weight: Tens
     return StepLoss(feature=mean(feature), token=mean(token), distill=distill, top1=agree, count=count.detach())
 
 
-def _weighted(step: StepLoss, cfg: Eagle2Config, topk_weight: float) -> Tensor:  # []
+def _weighted(step: StepLoss, cfg: LossConfig, index: int = 0) -> Tensor:  # []
+    """Step `index` (0-based)'s share of the loss under the backbone's objective."""
+    if isinstance(cfg, Eagle3Config):
+        return cfg.step_decay ** index * step.token
+    topk_weight = cfg.topk_weight if isinstance(cfg, HassConfig) else 0.0
     return cfg.feature_weight * step.feature + cfg.token_weight * step.token + topk_weight * step.distill
 
 
 # ---- EAGLE-2 ---------------------------------------------------------------------------------
-def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Config(),
+def eagle2_loss(head: DraftHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Config(),
                 generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
     """One causal forward of the head over the noised true features (docs/spec.md §6, EAGLE-2).
     noise: optional precomputed U[-1/2, 1/2) draws [B, T-1, H] (see add_uniform_noise)."""
@@ -347,7 +390,7 @@ def eagle2_loss(head: EagleHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Co
     teacher = Teacher(targets, q, q_argmax=q_argmax, draft_ids=head.draft_ids)
     picked = predicted[w]  # [P, H]
     step = step_terms(picked, head.logits(picked), teacher, torch.ones_like(w[w]), cfg.top1, cfg.compile)
-    return LossOutput(loss=_weighted(step, cfg, 0.0), steps=(step,))
+    return LossOutput(loss=_weighted(step, cfg), steps=(step,))
 
 
 # ---- HASS ------------------------------------------------------------------------------------
@@ -368,11 +411,13 @@ def alignment_mask(step: int, length: int, dtype: torch.dtype, device) -> Tensor
     return mask[None, None]  # [1, 1, T, S*T]
 
 
-def aligned_outputs(head: EagleHead, tokens: Tensor, features: Tensor, positions: Tensor, steps: int) -> list[Tensor]:
+def aligned_outputs(head: DraftHead, tokens: Tensor, features: Tensor, positions: Tensor, steps: int,
+                    detach: bool = True) -> list[Tensor]:
     """Head outputs of alignment steps 1..steps, each [B, T, H].
 
-    tokens [B, T], features [B, T, H] (true, possibly noised), positions [B, T]. Step j's input at
-    t > 0 is step j-1's output at t-1, DETACHED: the head learns to use its own features, but no
+    tokens [B, T], features [B, T, H] (true, possibly noised; EAGLE-3: already fused), positions
+    [B, T]. Step j's input at t > 0 is step j-1's output at t-1, DETACHED (HASS; `detach=False`
+    for EAGLE-3's reference): the head learns to use its own features, but no
     gradient flows back through a predicted feature into the step that produced it. (Gradients
     do reach the parameters through the earlier steps' key/value rows, as they are functions of
     the parameters at inference too.) Position 0 keeps its true feature; step j's rows at t < j-1
@@ -385,11 +430,12 @@ def aligned_outputs(head: EagleHead, tokens: Tensor, features: Tensor, positions
     for step in range(1, steps + 1):
         mask = alignment_mask(step, t, features.dtype, features.device).expand(b, 1, t, step * t)  # [B, 1, T, j*T]
         outputs.append(head(tokens, inputs, positions, mask, cache))  # [B, T, H]
-        inputs = torch.cat([features[:, :1], outputs[-1][:, :-1].detach()], dim=1)  # [B, T, H]
+        previous = outputs[-1][:, :-1].detach() if detach else outputs[-1][:, :-1]  # [B, T-1, H]
+        inputs = torch.cat([features[:, :1], previous], dim=1)  # [B, T, H]
     return outputs
 
 
-def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig(),
+def hass_loss(head: DraftHead, batch: TrainBatch, cfg: HassConfig = HassConfig(),
               generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
     """EAGLE-2 terms + top-K distillation at each harmonized context alignment step, added
     (docs/spec.md §6, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step.
@@ -397,17 +443,43 @@ def hass_loss(head: EagleHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
     _require_frozen_shared(head)
     pairs = head_pairs(batch)
     features = add_uniform_noise(pairs.features, cfg.noise_width, generator, noise)  # [B, T-1, H]
-    outputs = aligned_outputs(head, pairs.tokens, features, pairs.positions, cfg.steps)
+    return _aligned_loss(head, pairs, features, cfg, topk=cfg.topk, detach=True)
+
+
+def _aligned_loss(head: DraftHead, pairs: HeadPairs, inputs: Tensor, cfg: "HassConfig | Eagle3Config",
+                  topk: int | None, detach: bool) -> LossOutput:
+    """The terms of `cfg.steps` aligned steps over inputs [B, T-1, H], each scored against the
+    target's distribution at the true next feature (shared by HASS and EAGLE-3)."""
+    outputs = aligned_outputs(head, pairs.tokens, inputs, pairs.positions, cfg.steps, detach)
     w = pairs.weight  # [B, T-1]: logits only where step 1 takes a loss; later steps take subsets of those
     targets = pairs.targets[w]  # [P, H]
     q = target_distribution(head, targets)  # [P, V] (or [P, N])
-    t = torch.arange(pairs.tokens.shape[1], device=features.device).expand_as(w)[w]  # [P] position of each pick
-    q_top = q.topk(min(cfg.topk, q.shape[-1]), dim=-1)  # once, for every step (draft indices with a draft vocabulary)
+    t = torch.arange(pairs.tokens.shape[1], device=inputs.device).expand_as(w)[w]  # [P] position of each pick
+    # top-K once, for every step (draft indices with a draft vocabulary)
+    q_top = q.topk(min(topk, q.shape[-1]), dim=-1) if topk is not None else None
     q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
-    teacher = Teacher(targets, q, cfg.topk, q_top, q_argmax, head.draft_ids)
+    teacher = Teacher(targets, q, topk, q_top, q_argmax, head.draft_ids)
     terms = tuple(step_terms(out[w], head.logits(out[w]), teacher, t >= j - 1, cfg.top1, cfg.compile)
                   for j, out in enumerate(outputs, start=1))
-    return LossOutput(loss=torch.stack([_weighted(s, cfg, cfg.topk_weight) for s in terms]).sum(), steps=terms)
+    return LossOutput(loss=torch.stack([_weighted(s, cfg, j) for j, s in enumerate(terms)]).sum(), steps=terms)
+
+
+# ---- EAGLE-3 ----------------------------------------------------------------------------------
+def eagle3_loss(head: DraftHead, batch: TrainBatch, cfg: Eagle3Config = Eagle3Config(),
+                generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
+    """Training-time test (Eagle3Config): the head fuses the target's layers once, then runs
+    `steps` aligned steps (the HASS alignment above: step j sees its own earlier outputs exactly
+    as drafting at depth j does); each step's soft cross-entropy against the target's
+    distribution, weighted step_decay ** (j-1), is summed. The teacher is the target's LM head at
+    the true last-layer feature (batch.hidden), not the head's own LM head."""
+    _require_frozen_shared(head)
+    if batch.aux is None:
+        raise ValueError("EAGLE-3 trains on the target's low / middle / high layers: extract the features with "
+                         "`taps features --aux-layers auto`")
+    if noise is not None:
+        raise ValueError("EAGLE-3 training adds no input noise")
+    pairs = head_pairs(batch)
+    return _aligned_loss(head, pairs, head.fuse(pairs.features), cfg, topk=None, detach=cfg.detach)
 
 
 # ---- pooling over processes and micro-batches ---------------------------------------------------
@@ -418,10 +490,9 @@ def counted_positions(batch: TrainBatch, steps: int) -> Tensor:  # [steps] long
     return torch.stack([(weight & (t >= j - 1)[None]).sum() for j in range(1, steps + 1)])
 
 
-def pooled_loss(out: LossOutput, cfg: Eagle2Config, totals: Tensor) -> Tensor:  # []
+def pooled_loss(out: LossOutput, cfg: LossConfig, totals: Tensor) -> Tensor:  # []
     """This micro-batch's share of the loss averaged over ALL counted positions of the optimizer
     step (totals [steps], summed over every micro-batch of every process). Summing the gradients
     of these shares gives exactly the gradient of one big batch, however it is split."""
-    topk_weight = cfg.topk_weight if isinstance(cfg, HassConfig) else 0.0
-    shares = [_weighted(s, cfg, topk_weight) * s.count / totals[j].clamp(min=1) for j, s in enumerate(out.steps)]
+    shares = [_weighted(s, cfg, j) * s.count / totals[j].clamp(min=1) for j, s in enumerate(out.steps)]
     return torch.stack(shares).sum()

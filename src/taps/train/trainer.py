@@ -1,4 +1,4 @@
-"""Drafter training (EAGLE-2 or HASS) on target features, from one CPU to many GPUs.
+"""Drafter training (EAGLE-2, HASS or EAGLE-3) on target features, from one CPU to many GPUs.
 
 The same code runs alone or under `accelerate launch --num_processes N`: every process takes a
 fixed slice of each global batch and the head's gradients are summed across processes before
@@ -41,17 +41,17 @@ from taps.jsonl import append_jsonl, read_json, read_jsonl
 from taps.outlock import output_lock
 from taps.target import Target
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
-from taps.train.losses import (Eagle2Config, HassConfig, counted_positions, eagle2_loss, hass_loss, pad_batch,
-                               pooled_loss)
+from taps.train.losses import (Eagle2Config, Eagle3Config, HassConfig, counted_positions, eagle2_loss, eagle3_loss,
+                               hass_loss, pad_batch, pooled_loss)
 from taps.train.state import latest_checkpoint, load_checkpoint, save_checkpoint
 
-BACKBONES = ("eagle2", "hass")
+BACKBONES = ("eagle2", "hass", "eagle3")
 # TrainConfig fields that change the trained weights or the saved head: a resume under another value
 # is refused. The rest (checkpoint_steps, log_every, compile_loss: the same loss up to float summation
 # order, keep_epoch_heads) may change between runs.
 CONTENT_FIELDS = ("backbone", "epochs", "lr", "batch_size", "grad_accum", "warmup_steps", "max_grad_norm", "max_len",
                   "heldout_frac", "hass_topk", "hass_steps", "noise_width", "seed", "mixed_precision",
-                  "training_data", "draft_vocab")
+                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay")
 
 
 class TrainingError(RuntimeError):
@@ -72,7 +72,9 @@ class TrainConfig:
     heldout_frac: float = 0.05
     hass_topk: int = setting(10, at_least=1)
     hass_steps: int = setting(3, at_least=1)
-    noise_width: float = setting(0.2)
+    noise_width: float = setting(0.2, "EAGLE-2 / HASS input noise (EAGLE-3 adds none)")
+    ttt_steps: int = setting(7, "EAGLE-3: training-time test steps unrolled (the reference's 7)", at_least=1)
+    ttt_decay: float = setting(0.8, "EAGLE-3: step j's loss weight is DECAY ** (j - 1) (the reference's 0.8)")
     seed: int = setting(0)
     checkpoint_steps: int | None = setting(None, "also checkpoint every N steps (always every epoch)", at_least=1)
     log_every: int = 10
@@ -96,6 +98,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.noise_width < 0:
             raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay must lie in (0, 1], got {self.ttt_decay}")
 
     def loss_config(self, noise: bool = True, depths: int | None = None):
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
@@ -103,6 +107,9 @@ class TrainConfig:
         top-1 metric, evaluation (noise off) computes it."""
         common = dict(noise_width=self.noise_width, top1=False) if noise else dict(noise_width=0.0, top1=True)
         common["compile"] = self.compile_loss
+        if self.backbone == "eagle3":
+            return Eagle3Config(steps=depths or self.ttt_steps, step_decay=self.ttt_decay, top1=common["top1"],
+                                compile=self.compile_loss)
         if self.backbone == "hass":
             return HassConfig(topk=self.hass_topk, steps=depths or self.hass_steps, **common)
         if depths:
@@ -111,7 +118,7 @@ class TrainConfig:
 
     @property
     def loss_steps(self) -> int:
-        return self.hass_steps if self.backbone == "hass" else 1
+        return {"hass": self.hass_steps, "eagle3": self.ttt_steps}.get(self.backbone, 1)
 
 
 def has_compiler() -> bool:
@@ -170,12 +177,19 @@ class Trainer:
                                 f"{self.global_batch} ({cfg.batch_size} x {self.acc.num_processes} processes x "
                                 f"{cfg.grad_accum} accumulation)")
         self.total_steps = self.steps_per_epoch * cfg.epochs
-        self.head = init_head(target.model.config, seed=cfg.seed).to(self.acc.device)
-        self.head.bind(target.embed_tokens, target.lm_head)
+        if cfg.backbone == "eagle3" and not self.shards.aux_layers:
+            raise TrainingError(f"{self.shards.description}: no aux layers; an EAGLE-3 head reads the target's low / "
+                                "middle / high layers: extract the features with `taps features --aux-layers auto`")
         self.draft_vocab: DraftVocab | None = None
         if cfg.draft_vocab is not None:
             self.draft_vocab = choose_draft_vocab(self.shards, target.vocab_size, cfg.draft_vocab, self.train_idx,
                                                   cfg.max_len, always=target.stop_token_ids())
+        # an EAGLE-3 head's own LM head is sized by its draft vocabulary, so that comes first
+        self.head = init_head(target.model.config, seed=cfg.seed, backbone=cfg.backbone,
+                              draft_vocab_size=self.draft_vocab.ids.numel() if self.draft_vocab else None,
+                              aux_layers=self.shards.aux_layers or None).to(self.acc.device)
+        self.head.bind(target.embed_tokens, target.lm_head)
+        if self.draft_vocab is not None:
             self.head.set_draft_vocab(self.draft_vocab.ids)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
@@ -207,20 +221,27 @@ class Trainer:
         for i in indices:
             rec = self.shards[i]
             n = rec["input_ids"].shape[0] if self.cfg.max_len is None else min(self.cfg.max_len, rec["input_ids"].shape[0])
-            samples.append((rec["input_ids"][:n].long(), rec["hidden"][:n].float(), rec["loss_mask"][:n]))
-            noises.append(sample_noise(self.cfg.seed, epoch, i, n, self.target.hidden_size))
+            sample = (rec["input_ids"][:n].long(), rec["hidden"][:n].float(), rec["loss_mask"][:n])
+            if self.cfg.backbone == "eagle3":
+                samples.append((*sample, rec["aux"][:n].float()))  # [n, k * H] the head's input layers
+            else:
+                samples.append(sample)
+                noises.append(sample_noise(self.cfg.seed, epoch, i, n, self.target.hidden_size))
         batch = pad_batch(samples)
+        dev = self.acc.device
+        batch = type(batch)(input_ids=batch.input_ids.to(dev), hidden=batch.hidden.to(dev),
+                            loss_mask=batch.loss_mask.to(dev), lengths=batch.lengths.to(dev),
+                            aux=None if batch.aux is None else batch.aux.to(dev))
+        if not noises:  # EAGLE-3: no input noise
+            return batch, None
         width = batch.input_ids.shape[1] - 1
         noise = torch.zeros(len(indices), width, self.target.hidden_size)  # [B, T-1, H]
         for row, nz in enumerate(noises):
             noise[row, : nz.shape[0]] = nz
-        dev = self.acc.device
-        batch = type(batch)(input_ids=batch.input_ids.to(dev), hidden=batch.hidden.to(dev),
-                            loss_mask=batch.loss_mask.to(dev), lengths=batch.lengths.to(dev))
         return batch, noise.to(dev)
 
     def _loss(self, batch, noise, cfg):
-        fn = hass_loss if isinstance(cfg, HassConfig) else eagle2_loss
+        fn = {HassConfig: hass_loss, Eagle3Config: eagle3_loss}.get(type(cfg), eagle2_loss)
         with self.acc.autocast():
             return fn(self.head, batch, cfg, noise=noise)
 

@@ -1,0 +1,302 @@
+"""The EAGLE-3 backbone: the head's layout (what the engines load), its checkpoint round trip and
+strict checks, training-time test attention equal to drafting attention, lossless decoding
+(greedy identity in float32 for three architectures, sampling distribution), and a trained head
+that beats an untrained one end to end (regenerate, features with aux layers, train, decode)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy, prompts
+from taps.config import DecodeConfig, TreeConfig
+from taps.decode import generate
+from taps.data.features import FeaturesError, FeatureSettings, extract_features
+from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head
+from taps.drafter.context import consume
+from taps.drafter.head3 import Eagle3Head, default_aux_layers
+from taps.propose.single import SingleProposer
+from taps.target import Target
+from taps.testing import tiny_model
+from taps.train.losses import Eagle3Config, aligned_outputs, eagle3_loss, head_pairs, pad_batch
+from taps.tree import additive_mask
+
+LAYERS = 8  # default aux layers of an 8-layer target: outputs of layers 1, 3 and 4
+
+
+def target_of(arch="llama", seed=0, **kw):
+    model = tiny_model(arch, seed=seed, layers=LAYERS, **kw)
+    model.requires_grad_(False)
+    return Target(model)
+
+
+def eagle3_head(target, seed=1, draft_ids=None):
+    n = None if draft_ids is None else int(draft_ids.numel())
+    head = init_head(target.model.config, seed=seed, backbone="eagle3", draft_vocab_size=n)
+    return head.set_draft_vocab(draft_ids).attach(target)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return target_of()
+
+
+# ---- the layout ----------------------------------------------------------------------------------
+def test_state_dict_is_the_engines_eagle3_layout(target):
+    head = eagle3_head(target, draft_ids=torch.arange(0, 384, 2))
+    h, n = target.hidden_size, 192
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    heads, kv, dim = 4, 2, h // 4
+    assert shapes == {
+        "fc.weight": (h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": (heads * dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv * dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv * dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, heads * dim),
+        "midlayer.mlp.gate_proj.weight": (128, h),
+        "midlayer.mlp.up_proj.weight": (128, h),
+        "midlayer.mlp.down_proj.weight": (h, 128),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (n, h),
+    }
+    assert head.aux_layers == default_aux_layers(LAYERS) == (1, 3, 4)
+    assert head.feature_layers == (2, 4, 5)  # hidden_states indices: the output of layer L is hidden_states[L + 1]
+
+
+def test_target_captures_the_aux_layers(target):
+    eagle3_head(target)
+    ids = torch.tensor([5, 9, 2, 7])
+    target.reset()
+    out = target.prefill(ids, all_logits=True)
+    with torch.inference_mode():
+        hs = target.model(ids[None], output_hidden_states=True).hidden_states
+    h = target.hidden_size
+    assert out.features.shape == (4, 4 * h)
+    for block, index in enumerate((-1, 2, 4, 5)):
+        torch.testing.assert_close(out.features[:, block * h:(block + 1) * h], hs[index][0])
+
+
+def test_only_fused_width_inputs_go_through_fc(target):
+    head = eagle3_head(target)
+    tokens, pos = torch.tensor([[3, 4]]), torch.arange(2)[None]
+    mask = additive_mask(torch.ones(2, 2, dtype=torch.bool).tril(), torch.arange(2), 0, None, torch.float32)
+    layers = torch.randn(1, 2, 3 * target.hidden_size)
+    with torch.no_grad():
+        a = head(tokens, layers, pos, mask)
+        b = head(tokens, head.fuse(layers), pos, mask)
+    torch.testing.assert_close(a, b)
+
+
+def test_eagle3_needs_attaching_before_decoding(target):
+    head = init_head(target.model.config, seed=0, backbone="eagle3").bind(target.embed_tokens, target.lm_head)
+    with pytest.raises(RuntimeError, match="attach"):
+        head.select_features(torch.zeros(2, 4 * target.hidden_size))
+
+
+def test_too_shallow_targets_need_named_layers():
+    with pytest.raises(ValueError, match="name them"):
+        init_head(tiny_model("llama", layers=2).config, backbone="eagle3")
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def test_checkpoint_round_trip_and_config_keys(target, tmp_path):
+    head = eagle3_head(target, draft_ids=torch.arange(0, 384, 3))
+    save_head(head, tmp_path / "h", DrafterInfo(backbone="eagle3", tokenizer_fingerprint=None))
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["draft_vocab_size"] == 128 and config["target_hidden_size"] == target.hidden_size
+    loaded = load_head(tmp_path / "h", target)
+    assert isinstance(loaded, Eagle3Head)
+    for key, value in head.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    assert torch.equal(loaded.draft_ids, head.draft_ids)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 7]), "distinct layer indices"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids="1,3,4"), "list of layer indices"),
+    (lambda c: c.update(target_hidden_size=128), "target_hidden_size is 128"),
+])
+def test_checkpoint_refuses_what_does_not_fit_the_target(target, tmp_path, edit, message):
+    save_head(eagle3_head(target), tmp_path / "h", DrafterInfo(backbone="eagle3"))
+    path = tmp_path / "h" / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    config.pop("eagle_config")
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_head(tmp_path / "h", target)
+
+
+def test_engine_default_layers_when_the_key_is_absent(target, tmp_path):
+    save_head(eagle3_head(target), tmp_path / "h", DrafterInfo(backbone="eagle3"))
+    path = tmp_path / "h" / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("eagle_config"), config.pop("eagle_aux_hidden_state_layer_ids")
+    path.write_text(json.dumps(config))
+    assert load_head(tmp_path / "h", target).aux_layers == (1, 3, 4)
+
+
+# ---- training-time test == drafting --------------------------------------------------------------
+def batch_of(target, lengths=(14, 10)):
+    samples = []
+    h = target.hidden_size
+    for seed, length in enumerate(lengths, start=1):
+        ids = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+        target.reset()
+        feats = target.prefill(ids, all_logits=True).features.clone()  # [T, 4H]: last, then the aux layers
+        samples.append((ids, feats[:, :h], (torch.arange(length) >= 3).long(), feats[:, h:]))
+    return pad_batch(samples)
+
+
+def inference_chain(head, ids, feats, c, depth):
+    """The head's outputs at depths 1..depth after c committed pairs, as the decoder drafts a chain:
+    consume() the true context (fused layers), then feed each output back as the next input."""
+    with torch.inference_mode():
+        ctx = consume(head, None, ids[1:c + 1], feats[:c])
+        outs, feat = [ctx.root_hidden.clone()], ctx.root_hidden
+        anc = torch.zeros(1, 0, dtype=torch.bool)
+        for level in range(2, depth + 1):
+            anc = torch.cat([anc, torch.ones(1, 1, dtype=torch.bool)], dim=1)
+            mask = additive_mask(anc, None, ctx.length, None, feat.dtype)
+            positions = torch.full((1, 1), ctx.length + level - 2)
+            feat = head(ids[c + level - 1].view(1, 1), feat.view(1, 1, -1), positions, mask, ctx.cache)[0, 0]
+            outs.append(feat.clone())
+    return outs
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_training_time_test_attention_equals_drafting(target, steps):
+    head = eagle3_head(target, seed=2)
+    batch = batch_of(target)
+    pairs = head_pairs(batch)
+    with torch.no_grad():
+        train = aligned_outputs(head, pairs.tokens, head.fuse(pairs.features), pairs.positions, steps, detach=False)
+    h = target.hidden_size
+    worst = [0.0] * steps
+    for b, length in enumerate(batch.lengths.tolist()):
+        ids = batch.input_ids[b, :length]
+        feats = torch.cat([batch.hidden[b, :length], batch.aux[b, :length]], dim=-1)  # the Target's layout
+        assert feats.shape[-1] == 4 * h
+        for c in range(1, length - 1):
+            depth = min(steps, length - c)
+            for d, inf in enumerate(inference_chain(head, ids, feats, c, depth), start=1):
+                worst[d - 1] = max(worst[d - 1], float((train[d - 1][b, c + d - 2] - inf).abs().max()))
+    assert max(worst) < 1e-5, worst
+
+
+def test_loss_weights_steps_and_lets_gradients_through_steps(target):
+    head = eagle3_head(target, seed=3, draft_ids=torch.arange(0, 384, 2))
+    batch = batch_of(target)
+    out = eagle3_loss(head, batch, Eagle3Config(steps=3, step_decay=0.5))
+    expected = sum(0.5 ** j * s.token for j, s in enumerate(out.steps))
+    torch.testing.assert_close(out.loss, expected)
+    assert all(float(s.feature.detach()) > 0 for s in out.steps)  # computed, but no part of the loss
+    # without detaching, step 2's loss reaches fc only through step 1's output as well: the
+    # gradients differ from the detached variant's
+    grads = {}
+    for detach in (False, True):
+        head.zero_grad()
+        eagle3_loss(head, batch, Eagle3Config(steps=2, detach=detach)).loss.backward()
+        grads[detach] = head.midlayer.mlp.down_proj.weight.grad.clone()
+    assert not torch.allclose(grads[False], grads[True])
+    with pytest.raises(ValueError, match="aux-layers"):
+        eagle3_loss(head, pad_batch([(batch.input_ids[0], batch.hidden[0], batch.loss_mask[0])]))
+
+
+def test_teacher_is_the_targets_lm_head_not_the_heads(target):
+    """q comes from the target's LM head at the true feature: changing the head's own lm_head
+    changes its logits but not the target distribution it is trained towards."""
+    head = eagle3_head(target, seed=4)
+    feat = torch.randn(3, target.hidden_size)
+    before = head.target_logits(feat)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(3.0)
+    torch.testing.assert_close(head.target_logits(feat), before)
+    torch.testing.assert_close(before, target.lm_head(feat))
+
+
+# ---- lossless --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("tree", [TreeConfig(60, 5, 10), TreeConfig(20, 6, 2)])
+def test_greedy_is_lossless(arch, tree):
+    target = target_of(arch, seed=1)
+    head = eagle3_head(target, seed=5, draft_ids=torch.arange(0, 384, 3))
+    for prompt in prompts(3, seed=7):
+        reference = hf_greedy(target.model, prompt, 24)
+        out = generate(target, SingleProposer(head, tree), prompt, DecodeConfig(max_new_tokens=24))
+        assert out.tokens == reference
+
+
+def test_sampling_keeps_the_target_distribution():
+    from test_decode import check_second_token_distribution
+
+    model = tiny_model("llama", seed=5, vocab_size=16, hidden_size=32, layers=4, heads=2, kv_heads=1, intermediate=64)
+
+    def proposer(target):
+        # an untrained head over the full vocabulary of 16 drafts often-accepted and often-rejected tokens
+        head = init_head(model.config, seed=1, backbone="eagle3", aux_layers=(0, 1, 2)).attach(target)
+        return SingleProposer(head, TreeConfig(12, 2, 4))
+
+    n = 2000
+    accepted = check_second_token_distribution(model, proposer, [3, 7, 1], n)
+    assert 0 < accepted < n
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+def test_features_refuse_bad_aux_layers(target_dir, tmp_path):
+    tgt = Target.load(target_dir, device="cpu", dtype="float32")  # 2 layers: no default layers
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "ho"}]}) + "\n")
+    with pytest.raises(FeaturesError, match="--aux-layers"):
+        extract_features(tgt, data, tmp_path / "f", FeatureSettings(aux_layers="auto"), progress=None)
+    with pytest.raises(FeaturesError, match="--aux-layers"):
+        extract_features(tgt, data, tmp_path / "f", FeatureSettings(aux_layers="0,x"), progress=None)
+
+
+# ---- compositions and chat -------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["merge-trie:a=A,b=B", "merge-budget:a=A,b=B", "route-confidence-step:a=A,b=B"])
+def test_eagle2_and_eagle3_heads_compose_losslessly(tmp_path, spec):
+    """One target serves both heads in one forward: the EAGLE-2 head reads the last layer, the
+    EAGLE-3 head its three layers (loaded from disk, as `taps generate` / `serve` load them)."""
+    from taps.propose.factory import HeadPool
+    from taps.propose.spec import parse_variant
+
+    target = target_of("llama", seed=2)
+    save_head(init_head(target.model.config, seed=3), tmp_path / "a", DrafterInfo(backbone="eagle2"))
+    save_head(eagle3_head(target, seed=4, draft_ids=torch.arange(0, 384, 2)), tmp_path / "b",
+              DrafterInfo(backbone="eagle3"))
+    target.feature_layers = (-1,)  # as loaded fresh: only load_head attaches
+    pool = HeadPool(target)
+    proposer = pool.proposer(parse_variant("v=" + spec.replace("A", str(tmp_path / "a")).replace("B", str(tmp_path / "b"))),
+                             TreeConfig(30, 4, 4))
+    assert target.feature_layers == (-1, 2, 4, 5)
+    for prompt in prompts(2, seed=11):
+        out = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=20))
+        assert out.tokens == hf_greedy(target.model, prompt, 20)
+
+
+def test_chat_turn_after_a_head_attaches_re_encodes(tokenizer):
+    """A session's first turn decoded before an EAGLE-3 head attached keeps features without its
+    layers: the next turn re-encodes instead of reusing them, and stays lossless."""
+    from taps.decode import ChatSession, Decoder
+
+    model = tiny_model("qwen2", seed=0, layers=LAYERS)
+    target = Target(model, tokenizer)
+    cfg = DecodeConfig(max_new_tokens=12, stop_token_ids=target.stop_token_ids())
+    chat = ChatSession(target, None, cfg)
+    chat.send("How many clips did Natalia sell?")
+    chat.decoder.proposer = SingleProposer(eagle3_head(target, seed=6), TreeConfig(20, 4, 4))
+    _, second = chat.send("And in May?")
+    assert second.reused_prefix == 0
+    full = tokenizer(tokenizer.apply_chat_template(chat.messages[:3], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    assert Decoder(Target(model, tokenizer)).run(full, cfg).tokens == second.tokens
