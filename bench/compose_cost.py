@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from taps.config import DecodeConfig
+from taps.decode import generate
+from taps.drafter.average import average_heads
+from taps.drafter.fit import fit_linear_head, greedy_sequences
+from taps.propose.factory import build_proposer
 
-from taps.config import DecodeConfig  # noqa: E402
-from _random_target import add_tree_device_args, random_target  # noqa: E402
-from taps.decode import generate  # noqa: E402
-from taps.drafter.average import average_heads  # noqa: E402
-from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
-from taps.propose.factory import build_proposer  # noqa: E402
+from _random_target import add_tree_device_args, random_target  # beside this script
 
 STRATEGIES = {
     "single": dict(strategy="single"),

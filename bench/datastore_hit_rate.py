@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from taps.config import TreeConfig  # noqa: E402
-from taps.data.datastore import build_datastore  # noqa: E402
-from taps.decode import chat_ids  # noqa: E402
-from taps.eval.benchmarks import load_benchmark  # noqa: E402
-from taps.jsonl import read_json_lines, read_jsonl  # noqa: E402
-from taps.propose.datastore import MANIFEST, Datastore  # noqa: E402
-from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: E402
-from taps.verify import Acceptance  # noqa: E402
+from taps.config import TreeConfig
+from taps.data.datastore import build_datastore
+from taps.decode import chat_ids
+from taps.eval.benchmarks import load_benchmark
+from taps.jsonl import read_json_lines, read_jsonl
+from taps.propose.datastore import MANIFEST, Datastore
+from taps.propose.lookup import LookupProposer, LookupSpec
+from taps.verify import Acceptance
 
 COSTS_MS = {1: 57.6, 16: 70.8, 32: 83.8, 64: 102.8}  # issue 19: SmolLM2-135M, bf16, one thread
 

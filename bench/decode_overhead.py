@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from taps.config import DecodeConfig, TreeConfig
+from taps.decode import generate
+from taps.drafter.checkpoint import init_head
+from taps.propose.base import StepInfo
+from taps.propose.single import SingleProposer
+from taps.tree import DraftTree
 
-from taps.config import DecodeConfig, TreeConfig  # noqa: E402
-from _random_target import add_tree_device_args, random_target  # noqa: E402
-from taps.decode import generate  # noqa: E402
-from taps.drafter.checkpoint import init_head  # noqa: E402
-from taps.propose.base import StepInfo  # noqa: E402
-from taps.propose.single import SingleProposer  # noqa: E402
-from taps.tree import DraftTree  # noqa: E402
+from _random_target import add_tree_device_args, random_target  # beside this script
 
 
 class OracleTree:

@@ -46,18 +46,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from taps.config import AUTO_TREE_CAPS, FIXED_TREE, DecodeConfig, SamplingConfig, SpeculationConfig, TreeConfig
+from taps.decode import chat_ids, generate
+from taps.drafter.checkpoint import load_head
+from taps.eval.benchmarks import load_benchmark
+from taps.identity import MismatchError, check_same
+from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
+from taps.profile import tree_policy
+from taps.propose.factory import LookupSpec, build_proposer, load_datastore
+from taps.target import Target
 
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig  # noqa: E402
-from taps.decode import chat_ids, generate  # noqa: E402
-from taps.drafter.checkpoint import load_head  # noqa: E402
-from taps.eval.benchmarks import load_benchmark  # noqa: E402
-from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic  # noqa: E402
-from taps.profile import auto_tree_policy  # noqa: E402
-from taps.propose.factory import LookupSpec, build_proposer, load_datastore  # noqa: E402
-from taps.target import Target  # noqa: E402
-
-PAPER, SMALL, AUTO_CAPS = TreeConfig(60, 5, 10), TreeConfig(16, 5, 4), TreeConfig(96, 8, 8)
+PAPER, SMALL, AUTO_CAPS = FIXED_TREE, TreeConfig(16, 5, 4), AUTO_TREE_CAPS
 LOOKUP_TREE = TreeConfig(32, 10, 4)
 
 
@@ -87,18 +86,17 @@ def record_of(result) -> dict:
 
 def open_records(path: Path, settings: dict, fresh: bool) -> dict[tuple, dict]:
     """The records of an earlier run with the same settings (a killed bench resumes question by
-    question); another run's records are refused rather than mixed in."""
+    question); another run's records are refused rather than mixed in (identity.check_same, as a
+    resumed `taps eval` or training run; a setting only one of the runs has counts as different)."""
     head = path.with_suffix(".settings.json")
     if fresh:
         path.unlink(missing_ok=True)
         head.unlink(missing_ok=True)
     if head.is_file():
         earlier = read_json(head, "the settings of a decode-speed run")
-        if earlier != settings:
-            key = next(k for k in sorted(set(earlier) | set(settings)) if earlier.get(k) != settings.get(k))
-            print(f"{path}: holds a run with {key}={earlier.get(key)!r}, this one has {settings.get(key)!r}; "
-                  f"expected the same settings to resume (give --fresh, or another --out)", file=sys.stderr)
-            sys.exit(2)
+        keys = sorted(set(earlier) | set(settings))
+        check_same(path, {k: earlier.get(k) for k in keys}, settings, keys,
+                   "expected the same settings to resume (give --fresh, or another --out)")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(head, settings)
     rows, _ = read_jsonl(path, repair_torn=True)
@@ -152,7 +150,7 @@ def main() -> None:
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
     drafters = Path(args.drafters)
     heads = {name: load_head(drafters / name, target) for name in dict.fromkeys([args.head, args.math, args.chat])}
-    policy = auto_tree_policy(target, heads, AUTO_CAPS)
+    policy = tree_policy(target, heads.values(), SpeculationConfig(AUTO_CAPS, "auto"))
     head, math_head, chat_head = heads[args.head], heads[args.math], heads[args.chat]
     pair = {"math": math_head, "chat": chat_head}
     decoders = {
@@ -185,7 +183,11 @@ def main() -> None:
                 "math": args.math, "chat": args.chat, "new_tokens": args.new_tokens}
     if args.datastore:  # only then: the settings of earlier runs stay what they were
         settings.update(datastore=store.manifest["digest"], datastore_nodes=args.datastore_nodes)
-    done = open_records(out, settings, args.fresh)
+    try:
+        done = open_records(out, settings, args.fresh)
+    except MismatchError as err:
+        print(f"decode_speed.py: {err}", file=sys.stderr)
+        sys.exit(2)
     if done:
         print(f"{out}: resuming, {len(done)} decodes already measured", file=sys.stderr)
     for bench in benches:

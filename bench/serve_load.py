@@ -20,7 +20,11 @@ Checks, printed and counted (exit code 1 if any fails):
     python bench/serve_load.py [--target smollm2-135m-instruct
         --drafters models/smollm2-135m-instruct/drafters --heads eagle2-math,eagle2-chat
         --variant route-bandit-turn:eagle2-math,eagle2-chat --requests 200 --clients 8 --max-tokens 128
-        --data-dir ../shared/data --dtype auto --threads 1 --tree 60,5,10|auto]
+        --data-dir ../shared/data --dtype auto --threads 1 [--tree auto] [--total-tokens N --depth D --top-k K]]
+
+The tree options are `taps serve`'s own, with its defaults (fixed: 60/5/10; --tree auto: the caps
+96/8/8). The README's run with --tree auto predates that and capped its trees at 60/5/10: add
+--total-tokens 60 --depth 5 --top-k 10 to repeat it.
 """
 
 from __future__ import annotations
@@ -34,9 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from taps.eval.benchmarks import load_benchmark  # noqa: E402
+from taps.cli_args import add_tree_arguments, speculation_from
+from taps.eval.benchmarks import load_benchmark
 
 
 def prompts(data_dir: str | None, n: int) -> list[str]:
@@ -128,11 +131,13 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--tree", default="60,5,10", help="total tokens, depth, top-k of the heads' trees (the serve "
-                                                     "default; a CPU verifies 16,5,4 faster), or auto (cost-aware "
-                                                     "trees from this machine's `taps profile`, 60/5/10 the caps)")
+    add_tree_arguments(p)  # as taps serve takes them (a CPU verifies 16/5/4 faster than the default 60/5/10)
     p.add_argument("--url", help="an already running taps serve (its base URL, without /v1) instead of one here")
     args = p.parse_args()
+    try:
+        speculation = speculation_from(args)  # checked before anything loads
+    except ValueError as err:
+        p.error(str(err))
 
     import openai
 
@@ -145,14 +150,11 @@ def main() -> int:
     if args.url is None:
         import torch
 
-        from taps.config import TreeConfig
         from taps.serve.app import Limits, create_app, serving
         from taps.serve.engine import Engine
 
         torch.set_num_threads(args.threads)
-        auto = args.tree == "auto"
-        tree = TreeConfig() if auto else TreeConfig(*(int(x) for x in args.tree.split(",")))
-        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], tree=tree, auto_tree=auto,
+        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], speculation,
                              device=args.device, dtype=args.dtype, model_id="target")
         app = create_app(engine, Limits(max_queue=max(args.clients, args.burst_queue), max_tokens=args.max_tokens))
         stop = serving(app)

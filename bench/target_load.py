@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from taps.target import Target  # noqa: E402
-from taps.target_source import find_gguf, load_gguf, resolve_target  # noqa: E402
+from taps.target import Target
+from taps.target_source import find_gguf, load_gguf, resolve_target
 
 
 def main() -> None:

@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from taps.drafter.checkpoint import init_head
+from taps.target import Target
+from taps.train.losses import Eagle2Config, HassConfig, TrainBatch, eagle2_loss, hass_loss
 
-from _shape import add_shape_args, random_target  # noqa: E402
-
-from taps.drafter.checkpoint import init_head  # noqa: E402
-from taps.target import Target  # noqa: E402
-from taps.train.losses import Eagle2Config, HassConfig, TrainBatch, eagle2_loss, hass_loss  # noqa: E402
+from _shape import add_shape_args, random_target  # beside this script
 
 
 def main() -> None:

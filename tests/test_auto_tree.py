@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, prompts
-from taps.config import DecodeConfig, TreeConfig
+from taps.config import DecodeConfig, SpeculationConfig, TreeConfig
 from taps.decode import generate
 from taps.drafter.auto_tree import AutoTree, Calibration, StepCosts
 from taps.drafter.fit import fit_linear_head, greedy_sequences
@@ -126,18 +126,18 @@ def test_eval_and_study_configs_take_auto_trees(target_dir, tmp_path, monkeypatc
     target = Target.load(target_dir, device="cpu", dtype="float32")
     variants = [parse_variant("base=baseline"), parse_variant(f"one={head}"), parse_variant(f"mix=merge-budget:h={head},lookup")]
     questions = [Question("toy", "1", "x", ("hello there",))]
-    auto = EvalSettings(max_new_tokens=8, tree=TreeConfig(32, 6, 4), auto_tree=True, warmup=False)
+    auto = EvalSettings(max_new_tokens=8, speculation=SpeculationConfig(TreeConfig(32, 6, 4), "auto"), warmup=False)
     run_eval(target, str(target_dir), variants, questions, tmp_path / "out", auto, progress=False)
     records = read_records(tmp_path / "out" / "records.jsonl")
     assert {r["variant"] for r in records} == {"base", "one", "mix"}
     assert json.loads((tmp_path / "out" / "run.json").read_text())["tree_mode"] == "auto"
-    fixed = EvalSettings(max_new_tokens=8, tree=TreeConfig(32, 6, 4), warmup=False)
+    fixed = EvalSettings(max_new_tokens=8, speculation=SpeculationConfig(TreeConfig(32, 6, 4)), warmup=False)
     with pytest.raises(ResultsMismatchError):  # one results directory keeps one tree mode
         run_eval(target, str(target_dir), variants, questions, tmp_path / "out", fixed, progress=False)
     config = {"name": "t", "out": str(tmp_path / "s"), "target": {"path": str(target_dir)},
               "drafters": {"out": str(tmp_path)}, "variants": {"base": "baseline"},
               "eval": {"tree": {"total_tokens": 32, "depth": 6, "top_k": 4, "mode": "auto"}}}
-    assert study_from_dict(config).settings.auto_tree
+    assert study_from_dict(config).settings.speculation == SpeculationConfig(TreeConfig(32, 6, 4), "auto")
     config["eval"]["tree"]["mode"] = "dynamic"
     with pytest.raises(StudyConfigError, match="eval.tree.mode must be fixed or auto"):
         study_from_dict(config)

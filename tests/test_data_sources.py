@@ -47,7 +47,7 @@ def shared_data() -> Path:
 
 @pytest.fixture
 def data_dir(tmp_path) -> Path:
-    """A tiny data directory laid out like shared/data."""
+    """A tiny data directory laid out as docs/spec.md §8 says."""
     (tmp_path / "gsm8k").mkdir()
     write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": f"q{i}", "answer": f"a{i} #### {i}"} for i in range(5)])
     write_jsonl(tmp_path / "gsm8k" / "test.jsonl", [{"question": "tq", "answer": "ta #### 1"}])

@@ -26,7 +26,7 @@ SHAPES = {
     "chain": TreeConfig(60, 5, 1),
     "wide": TreeConfig(60, 2, 10),
     "deep": TreeConfig(40, 9, 3),
-    "tiny-budget": TreeConfig(2, 5, 10),
+    "tiny-budget": TreeConfig(2, 1, 10),  # one draft node a step
 }
 NEW = 24
 
@@ -194,6 +194,63 @@ def test_stop_token_cuts_output_identically():
         result = generate(target, proposer, prompt, cfg)
         assert result.tokens == expected and result.stop_reason == "stop_token"
     assert generate(target, None, prompt, DecodeConfig(max_new_tokens=NEW)).stop_reason == "max_new_tokens"
+
+
+class Hook:
+    """An on_step hook that records its calls and asks to stop at call number `stop_at` (1-based;
+    the prefill's first token is call 1)."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.calls, self.stop_at = [], stop_at
+
+    def __call__(self, tokens, step):
+        self.calls.append((list(tokens), step))
+        return len(self.calls) == self.stop_at
+
+
+class CountingProposer(CallbackProposer):
+    def __init__(self, build):
+        super().__init__(build)
+        self.observed = 0
+
+    def observe(self, tree, acceptance, features):
+        self.observed += 1
+        super().observe(tree, acceptance, features)
+
+
+def test_the_per_step_hook_sees_every_token_once_and_can_stop_between_steps():
+    model = cached_model("llama")
+    target = Target(model)
+    prompt = prompts(1, seed=12)[0]
+    reference = hf_greedy(model, prompt, NEW)
+
+    def proposer():  # the same trees on every run
+        return CountingProposer(noisy_oracle(prompt + reference, 4, model.config.vocab_size, seed=3))
+
+    hook = Hook()
+    full = generate(target, proposer(), prompt, DecodeConfig(max_new_tokens=NEW), on_step=hook)
+    assert full.tokens == reference and full.stop_reason == "max_new_tokens"
+    assert hook.calls[0] == ([reference[0]], None)  # the prefill's token, before any step
+    assert [t for tokens, _ in hook.calls for t in tokens] == full.tokens  # each token once, in order
+    assert [step for _, step in hook.calls[1:]] == full.steps and len(full.steps) > 3
+    assert all(len(tokens) == step.emitted for tokens, step in hook.calls[1:])
+
+    for stop_at in (1, 2, 4):  # after the prefill, after the first step, after the third
+        decoder = Decoder(target, proposer())
+        hook = Hook(stop_at)
+        part = decoder.run(prompt, DecodeConfig(max_new_tokens=NEW), on_step=hook)
+        assert part.stop_reason == "cancelled" and len(part.steps) == stop_at - 1 and len(hook.calls) == stop_at
+        assert part.tokens == reference[:len(part.tokens)] == [t for tokens, _ in hook.calls for t in tokens]
+        assert part.verifier_calls == stop_at
+        assert decoder.proposer.observed == max(stop_at - 2, 0)  # the step that stops is not observed
+        assert target.length == len(prompt) + len(part.tokens) - 1  # the cache holds exactly what was kept
+        # the decoder goes on from there: the next turn reuses the cache and stays lossless
+        follow = prompt + part.tokens
+        assert decoder.run(follow, DecodeConfig(max_new_tokens=8), reuse_prefix=True).tokens == \
+            hf_greedy(model, follow, 8)
+    # asked to stop on the step that ends decoding anyway: the budget, not the hook, ended it
+    ends = generate(target, proposer(), prompt, DecodeConfig(max_new_tokens=NEW), on_step=Hook(len(full.steps) + 1))
+    assert ends.stop_reason == "max_new_tokens" and [s.emitted for s in ends.steps] == [s.emitted for s in full.steps]
 
 
 def test_context_window_refused_before_decoding():

@@ -31,7 +31,7 @@ def fc(qid, category="writing", turns=("hi", "more"), **extra) -> dict:
 
 @pytest.fixture
 def data_dir(tmp_path) -> Path:
-    """A tiny data directory laid out like shared/data."""
+    """A tiny data directory laid out as docs/spec.md §8 says."""
     root = tmp_path / "data"
     write_jsonl(root / "mt_bench" / "question.jsonl",
                 [fc(81), fc(82, "math", reference=["4", "5"]), fc(83), fc(84, "math")])

@@ -1,4 +1,4 @@
-"""Metrics (SPEC §5) on hand-made records with known answers, and on a record of a real decode."""
+"""Metrics (docs/spec.md §5) on hand-made records with known answers, and on a record of a real decode."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from taps.config import TreeConfig
+from taps.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import write_untrained
 from taps.eval import records as rec_mod
 from taps.eval.benchmarks import Question
@@ -207,7 +207,8 @@ def tiny_run(tmp_path_factory) -> Path:
     questions = [Question("mt_bench", "81", "writing", ("Write a poem about the sea.", "Shorter.")),
                  Question("gsm8k", "0", "math", ("Tom has 3 apples and buys 4 more. How many?",), ("7",)),
                  Question("gsm8k", "1", "math", ("A box holds 12 eggs. How many in 3 boxes?",), ("36",))]
-    settings = EvalSettings(temperatures=(0.0, 1.0), max_new_tokens=8, tree=TreeConfig(12, 3, 3), warmup=False)
+    settings = EvalSettings(temperatures=(0.0, 1.0), max_new_tokens=8, speculation=SpeculationConfig(TreeConfig(12, 3, 3)),
+                            warmup=False)
     out = root / "results"
     run_eval(Target.load(target_dir), str(target_dir), [parse_variant(s) for s in specs], questions, out, settings,
              progress=False)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from taps.config import TreeConfig
+from taps.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import write_untrained
 from taps.eval import runner
 from taps.eval.benchmarks import Question
@@ -25,7 +25,8 @@ QUESTIONS = [
     Question("gsm8k", "0", "math", ("Tom has 3 apples and buys 4 more. How many?",), ("7",)),
     Question("gsm8k", "1", "math", ("A box holds 12 eggs. How many in 3 boxes?",), ("36",)),
 ]
-SETTINGS = EvalSettings(temperatures=(0.0, 1.0), max_new_tokens=12, tree=TreeConfig(12, 3, 3), warmup=False)
+SETTINGS = EvalSettings(temperatures=(0.0, 1.0), max_new_tokens=12, speculation=SpeculationConfig(TreeConfig(12, 3, 3)),
+                        warmup=False)
 TIMING = {"wall_s", "prefill_s", "draft_s", "target_s", "other_s", "trace_s"}
 
 
@@ -135,7 +136,7 @@ def test_rerun_with_other_settings_is_refused(tmp_path, setup):
     target_dir, variants, _ = setup
     target = Target.load(target_dir)
     run_eval(target, str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, SETTINGS, progress=False)
-    other = EvalSettings(temperatures=(0.0,), max_new_tokens=13, tree=SETTINGS.tree, warmup=False)
+    other = EvalSettings(temperatures=(0.0,), max_new_tokens=13, speculation=SETTINGS.speculation, warmup=False)
     with pytest.raises(ResultsMismatchError, match="max_new_tokens"):
         run_eval(target, str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, other, progress=False)
     renamed = parse_variant(f"base={variants[1].drafters[0][1]}")

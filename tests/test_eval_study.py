@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from taps.cli import main
-from taps.config import TreeConfig
+from taps.config import SpeculationConfig, TreeConfig
 from taps.eval.metrics import load_results
 from taps.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
                              study_from_dict)
@@ -28,7 +28,7 @@ def test_paper_config_parses_and_dry_runs(capsys):
     assert study.drafter_recipe["n_per_domain"] == 70000 and study.drafter_recipe["epochs"] == 20
     assert study.drafter_recipe["lr"] == pytest.approx(3e-5) and study.drafter_recipe["max_len"] == 2048
     assert study.settings.temperatures == (0.0, 1.0)
-    tree = study.settings.tree
+    tree = study.settings.speculation.tree
     assert (tree.total_tokens, tree.depth, tree.top_k) == (60, 5, 10)
     assert study.benches == ["mt_bench", "gsm8k", "math500", "svamp"] and study.limit is None
     routed = next(v for v in study.variants if v.name == "hass-routed")
@@ -146,9 +146,10 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert len(names) == 1 + 7 + 4 + 2  # paper variants, extra merges/routing (the bandit too), two sweep points
     assert "hass-routed-bandit" in names
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
-    assert (study.settings.tree.total_tokens, study.settings.tree.depth, study.settings.tree.top_k) == (60, 5, 10)
-    small = demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16, tree=TreeConfig(16, 5, 4)))
-    assert (small.settings.tree.total_tokens, small.settings.tree.top_k) == (16, 4)
+    assert study.settings.speculation == SpeculationConfig(TreeConfig(60, 5, 10), "fixed")
+    small = demo_study(tmp_path / "m", tmp_path / "out", None,
+                       DemoSettings(2, 16, speculation=SpeculationConfig(TreeConfig(16, 5, 4))))
+    assert (small.settings.speculation.tree.total_tokens, small.settings.speculation.tree.top_k) == (16, 4)
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, DemoSettings(2, 16))
 

@@ -11,8 +11,9 @@ from taps import kv
 from taps.config import TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.drafter.context import HeadContext, causal_block_mask, consume
-from taps.drafter.expand import entropy_of, expand_tree
+from taps.drafter.expand import expand_tree
 from taps.target import Target
+from taps.trace import entropy_of
 
 PROMPT = [5, 9, 13, 2, 77, 31, 8, 100]
 
@@ -50,7 +51,7 @@ def sequential_scores(head, ctx, tree, node):
     return total, ent
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(60, 5, 10), TreeConfig(20, 4, 3), TreeConfig(12, 6, 1), TreeConfig(2, 5, 10)])
+@pytest.mark.parametrize("cfg", [TreeConfig(60, 5, 10), TreeConfig(20, 4, 3), TreeConfig(12, 6, 1), TreeConfig(2, 1, 10)])
 def test_tree_shape_rules(cfg):
     _, head, ctx = setup()
     tree = expand_tree(head, ctx, cfg, source=4)

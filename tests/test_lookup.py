@@ -51,7 +51,7 @@ def test_tree_is_a_trie_with_calibrated_scores():
 
 def test_budget_caps_the_tree():
     seq = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1]
-    small = started(seq, tree=TreeConfig(total_tokens=4, depth=5, top_k=4)).propose()
+    small = started(seq, tree=TreeConfig(total_tokens=4, depth=3, top_k=4)).propose()
     assert small.size == 4
 
 

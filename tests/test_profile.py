@@ -8,7 +8,7 @@ import json
 import pytest
 
 from taps.cli import main
-from taps.config import TreeConfig
+from taps.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.profile import profile, time_target
 
@@ -44,7 +44,7 @@ def test_cli_profile_of_a_drafter_is_the_one_tree_auto_reads(target, target_dir,
     """`taps profile --drafter D --measure` writes the profile --tree auto uses for every head of
     D's shape: before, the CLI keyed it by D's weights and --tree auto never saw it."""
     from taps.drafter.checkpoint import DrafterInfo, save_head
-    from taps.profile import auto_tree_policy, head_shape_key, profile_path
+    from taps.profile import head_shape_key, profile_path, tree_policy
 
     monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
     head = init_head(target.config, seed=0)
@@ -56,5 +56,5 @@ def test_cli_profile_of_a_drafter_is_the_one_tree_auto_reads(target, target_dir,
     bound = head.bind(target.embed_tokens, target.lm_head)
     assert written == str(profile_path(target.name, "float32", 1, head_shape_key(bound), tmp_path / "profiles"))
     before = json.loads(open(written).read())["measured_at"]
-    auto_tree_policy(target, {"d": bound}, TreeConfig(16, 4, 4))  # reads it, measures nothing
+    tree_policy(target, [bound], SpeculationConfig(TreeConfig(16, 4, 4), "auto"))  # reads it, measures nothing
     assert json.loads(open(written).read())["measured_at"] == before

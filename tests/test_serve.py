@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from taps.cli import main  # noqa: E402
-from taps.config import TreeConfig  # noqa: E402
+from taps.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import DrafterInfo, save_head  # noqa: E402
 from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
@@ -62,7 +62,7 @@ def fitted_heads(target_dir: Path, out: Path) -> list[tuple[str, str]]:
 def served(target_dir, tmp_path_factory):
     heads = fitted_heads(target_dir, tmp_path_factory.mktemp("heads"))
     engine = Engine.load(str(target_dir), heads, ["pair=merge-trie:a,b", "learned=route-bandit-turn:a,b"],
-                         TreeConfig(16, 4, 4), device="cpu",
+                         SpeculationConfig(TreeConfig(16, 4, 4)), device="cpu",
                          dtype="float32", model_id=MODEL)
     with serving(create_app(engine, Limits(max_queue=4, max_tokens=64))) as (_, url):
         yield {"url": url, "target": str(target_dir), "heads": dict(heads),

@@ -13,7 +13,7 @@ from taps.decode import generate
 from taps.drafter.checkpoint import init_head
 from taps.propose.single import SingleProposer
 from taps.target import Target
-from taps.trace import entropy, step_trace
+from taps.trace import entropy_of, step_trace
 from taps.tree import DraftTree
 from taps.verify import Acceptance
 
@@ -36,8 +36,16 @@ def test_trace_of_a_known_step():
     assert t.rejected_confidence == pytest.approx([math.exp(-1.0), math.exp(-0.5), math.exp(-2.0)])
     assert t.rejected_entropy == pytest.approx([0.3, 0.7, 0.7])
     assert t.verifier_entropy_accepted == pytest.approx([math.log(4)])  # uniform at the root
-    assert t.verifier_entropy_rejected == pytest.approx(float(entropy(logits[1])))  # node 1 has children 3, 4
+    assert t.verifier_entropy_rejected == pytest.approx(float(entropy_of(torch.log_softmax(logits[1], -1))))  # node 1 has children 3, 4
     assert t.verifier_entropy_rejected < 0.01
+
+
+def test_entropy_counts_impossible_tokens_as_zero():
+    uniform = torch.log_softmax(torch.zeros(4), -1)
+    assert float(entropy_of(uniform)) == pytest.approx(math.log(4))
+    filtered = torch.tensor([math.log(0.5), math.log(0.5), -math.inf, -math.inf])  # a top-k filtered distribution
+    assert float(entropy_of(filtered)) == pytest.approx(math.log(2))  # not NaN
+    assert float(entropy_of(torch.tensor([0.0, -math.inf]))) == 0.0  # certain
 
 
 def test_no_rejected_position_at_a_leaf():

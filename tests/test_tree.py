@@ -93,3 +93,19 @@ def test_additive_mask_prefix_and_window():
     assert win[7].nonzero().flatten().tolist() == [3 + 1, 3 + 4, 3 + 7]
     # the root (position 3) sees prefix positions 1, 2 and itself
     assert win[0].nonzero().flatten().tolist() == [1, 2, 3]
+
+
+def test_token_paths_pool_nodes_that_spell_the_same_tokens():
+    from taps.tree import TokenPaths, merge_disjoint
+
+    # two drafters' trees under root 9: both propose 5 -> 6; the first also 5 -> 7, the second 8
+    a = DraftTree.drafted(tokens=torch.tensor([9, 5, 6, 7]), parents=torch.tensor([-1, 0, 1, 1]),
+                          logp=torch.tensor([0.0, -0.1, -0.5, -0.3]), entropy=torch.zeros(4), drafter=0)
+    b = DraftTree.drafted(tokens=torch.tensor([9, 5, 6, 8]), parents=torch.tensor([-1, 0, 1, 0]),
+                          logp=torch.tensor([0.0, -0.2, -0.4, -0.9]), entropy=torch.zeros(4), drafter=0)
+    merged = merge_disjoint([a, b])  # nodes 1-3 from a, 4-6 from b: 5 at 1 and 4, 6 at 2 and 5
+    paths = TokenPaths(merged)
+    assert paths.options([0]) == {5: [1, 4], 8: [6]}  # one option per token, best score first
+    assert list(paths.options([1, 4])) == [7, 6]  # pooled children: 7 (-0.3) before 6 (-0.4, -0.5)
+    assert paths.follow([5, 6, 1]) == [[0], [1, 4], [2, 5]]  # as far as the tree holds the path
+    assert paths.follow([8]) == [[0], [6]] and paths.follow([4]) == [[0]] and paths.follow([]) == [[0]]

@@ -15,8 +15,8 @@ import sys
 from safetensors import SafetensorError
 
 from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, number_list,
-                           positive_int, tree_shape)
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+                           positive_int, speculation_from)
+from taps.config import DecodeConfig, SamplingConfig
 from taps.data import commands as data_commands
 from taps.decode import ContextWindowError
 from taps.drafter.checkpoint import CheckpointError, write_untrained
@@ -65,7 +65,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
     p.add_argument("--seed", type=int, default=0)
-    add_tree_arguments(p, auto=True)
+    add_tree_arguments(p)
     add_device_arguments(p)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -78,7 +78,7 @@ def _generate(args) -> int:
     spec = propose_commands.composition(args)
     out = generate_prompt(TargetRef(args.target, args.device, args.dtype, args.attn, args.trust_remote_code), spec,
                           args.prompt if args.prompt_ids is None else args.prompt_ids, raw=args.raw,
-                          tree=TreeConfig(*tree_shape(args)) if spec.drafters else None, auto_tree=args.tree == "auto",
+                          speculation=speculation_from(args),
                           decode=DecodeConfig(args.max_new_tokens, seed=args.seed,
                                               sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k)))
     if args.json:
@@ -113,7 +113,7 @@ def _add_drafter(sub) -> None:
                             formatter_class=DefaultsHelpFormatter)
     table.add_argument("--target", required=True, help="the target the drafters were trained for")
     table.add_argument("--drafters", required=True, help="directory of drafter directories (<name>/model.safetensors)")
-    table.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+    table.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR, "
                                           "else the Hugging Face hub)")
     table.add_argument("--n", type=positive_int, default=20, help="questions per benchmark")
     table.add_argument("--temperatures", type=number_list, default="0,1", metavar="T[,T...]",

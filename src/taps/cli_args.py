@@ -7,37 +7,30 @@ import re
 from collections.abc import Sequence
 from dataclasses import fields
 
-from taps.config import DEVICE_PATTERN
+from taps.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, TREE_MODES, SpeculationConfig
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-FIXED_TREE = (60, 5, 10)  # the paper's total tokens / depth / top-k
-AUTO_TREE_CAPS = (96, 8, 8)  # --tree auto: the largest tree it may choose
+def add_tree_arguments(p) -> None:
+    """The speculation settings (config.SpeculationConfig): `--tree fixed|auto` and the EAGLE-2
+    tree shape, whose defaults are the chosen mode's (fixed: the paper's 60/5/10; auto: the caps)."""
+    fixed, caps = FIXED_TREE, AUTO_TREE_CAPS
+    p.add_argument("--total-tokens", type=positive_int, default=None,
+                   help=f"tree budget, root included (default {fixed.total_tokens}; --tree auto: the cap, default "
+                        f"{caps.total_tokens})")
+    p.add_argument("--depth", type=positive_int, default=None,
+                   help=f"draft levels below the root (default {fixed.depth}; auto: {caps.depth})")
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help=f"tree beam width / branching (default {fixed.top_k}; auto: {caps.top_k})")
+    p.add_argument("--tree", choices=list(TREE_MODES), default="fixed",
+                   help="fixed: the shape above every step; auto: per step, the depth and size that maximise "
+                        "expected tokens/s from this machine's measured costs (taps profile)")
 
 
-def add_tree_arguments(p, auto: bool = False) -> None:
-    """The EAGLE-2 tree shape (SPEC §2); defaults are the paper's 60/5/10. With `auto`, also
-    `--tree fixed|auto`: auto chooses depth and size per step (the shape options become caps)."""
-    p.add_argument("--total-tokens", type=positive_int, default=None, help="tree budget, root included (default 60; "
-                                                                  "--tree auto: the cap, default 96)")
-    p.add_argument("--depth", type=positive_int, default=None, help="draft levels below the root (default 5; auto: 8)")
-    p.add_argument("--top-k", type=positive_int, default=None, help="tree beam width / branching (default 10; auto: 8)")
-    if auto:
-        p.add_argument("--tree", choices=["fixed", "auto"], default="fixed",
-                       help="fixed: the shape above every step; auto: per step, the depth and size that maximise "
-                            "expected tokens/s from this machine's measured costs (taps profile)")
-
-
-def tree_shape(args) -> tuple[int, int, int]:
-    """(total_tokens, depth, top_k) from the options, with the defaults of the chosen tree mode."""
-    defaults = AUTO_TREE_CAPS if getattr(args, "tree", "fixed") == "auto" else FIXED_TREE
-    given = (args.total_tokens, args.depth, args.top_k)
-    total, depth, top_k = (d if g is None else g for g, d in zip(given, defaults))
-    if depth >= total:  # the tree holds the root plus at most total - 1 nodes, one per level at the least
-        raise ValueError(f"--depth {depth} needs --total-tokens above it (root + one node per level); "
-                         f"got --total-tokens {total}")
-    return total, depth, top_k
+def speculation_from(args) -> SpeculationConfig:
+    """The speculation settings of the options add_tree_arguments made."""
+    return SpeculationConfig.of(args.tree, args.total_tokens, args.depth, args.top_k)
 
 
 def device_arg(text: str) -> str:

@@ -4,7 +4,7 @@ the CLI shows without loading the pipeline (torch-free)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 # --device values (checked by the CLI when parsed and by Target.load): auto, cpu, cuda, cuda:N, mps, xpu
 DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
@@ -35,10 +35,12 @@ def check_at_least(settings) -> None:
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Shape of an EAGLE-2 dynamic draft tree (SPEC §2).
+    """Shape of an EAGLE-2 dynamic draft tree (docs/spec.md, "Draft trees").
 
     total_tokens counts the root, so a tree has at most total_tokens - 1 draft nodes;
     depth is the number of draft levels below the root; top_k the beam width and branching.
+    depth must stay below total_tokens: a tree of total_tokens - 1 nodes reaches at most that
+    many levels, so a deeper setting only drafts levels that are never verified.
     """
 
     total_tokens: int = 60
@@ -48,10 +50,65 @@ class TreeConfig:
     def __post_init__(self) -> None:
         for name in ("total_tokens", "depth", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TreeConfig.{name} must be a positive integer, got {value!r}")
-        if self.total_tokens < 2:
-            raise ValueError(f"TreeConfig.total_tokens must be >= 2 (root + at least one node), got {self.total_tokens}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} must be a positive integer, got {value!r} (option {flag})")
+        if self.depth >= self.total_tokens:
+            raise ValueError(f"depth must be below total_tokens (the root plus one node per level), got depth "
+                             f"{self.depth} and total_tokens {self.total_tokens} (options --depth {self.depth}, "
+                             f"--total-tokens {self.total_tokens})")
+
+
+TREE_MODES = ("fixed", "auto")
+FIXED_TREE = TreeConfig(60, 5, 10)  # the paper's total tokens / depth / top-k
+AUTO_TREE_CAPS = TreeConfig(96, 8, 8)  # tree mode auto: the largest tree it may choose
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How the drafters' trees are shaped, in one object for the CLI (`--tree`, `--total-tokens`,
+    `--depth`, `--top-k`), study configs (`eval.tree`), `taps eval`, `taps serve` and library
+    callers, so the defaults and the checks are the same wherever a run starts (vLLM keeps these
+    in its SpeculativeConfig).
+
+    mode fixed: every step drafts `tree`. mode auto: each step chooses the depth and size that
+    maximise expected tokens/s from this machine's measured costs (drafter/auto_tree.py), and
+    `tree` holds the caps. `of` fills what the caller left out from the mode's defaults; the
+    cost-aware policy itself is built in one place, profile.tree_policy.
+    """
+
+    tree: TreeConfig = FIXED_TREE  # the shape (mode auto: its caps)
+    mode: str = "fixed"  # one of TREE_MODES
+
+    def __post_init__(self) -> None:
+        if self.mode not in TREE_MODES:
+            raise ValueError(f"mode must be fixed or auto, got {self.mode!r} (option --tree)")
+        if not isinstance(self.tree, TreeConfig):
+            raise ValueError(f"tree must be a TreeConfig, got {type(self.tree).__name__}")
+
+    @classmethod
+    def of(cls, mode: str = "fixed", total_tokens: int | None = None, depth: int | None = None,
+           top_k: int | None = None) -> "SpeculationConfig":
+        """The settings of `mode` with the given shape values, the others from the mode's defaults
+        (fixed: the paper's 60/5/10; auto: the caps 96/8/8)."""
+        if mode not in TREE_MODES:
+            raise ValueError(f"mode must be fixed or auto, got {mode!r} (option --tree)")
+        given = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+        defaults = AUTO_TREE_CAPS if mode == "auto" else FIXED_TREE
+        return cls(replace(defaults, **{k: v for k, v in given.items() if v is not None}), mode)
+
+    @property
+    def auto(self) -> bool:
+        return self.mode == "auto"
+
+    def describe(self) -> str:
+        """One phrase for plans and summaries: `60/5/10` or `auto, caps 96/8/8`."""
+        shape = f"{self.tree.total_tokens}/{self.tree.depth}/{self.tree.top_k}"
+        return f"auto, caps {shape}" if self.auto else shape
+
+    def as_config(self) -> dict:
+        """The `eval.tree` mapping of a study config that reads back as these settings."""
+        return {**asdict(self.tree), "mode": self.mode}
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,20 @@ One step (numbered as in the code):
   4. emit      accepted draft tokens + bonus, cut at the first stop token / the budget
   5. commit    the KV rows of exactly the kept path stay in the target's cache
   6. observe   the proposer consumes the accepted features (skipped once decoding ends)
+A caller that wants tokens as they come (a server streaming a reply) or may stop early (a client
+gone) passes `on_step` (an OnStep): it gets the emitted tokens and the step's record after the
+prefill and after every step, and a true return value ends decoding there (stop_reason
+"cancelled"), as gpt-fast's `callback` and transformers' `streamer` do without proposers knowing.
 Plain decoding is the same loop with a root-only tree, so both use the same Target and cache
 code and their timings compare like with like. Batch size 1. Timings come from one Stopwatch:
 draft (this step's proposal and trim, plus the previous step's observe), target (the tree
-forward), other (verification, emit, commit); tracing is set aside.
+forward), other (verification, emit, commit); tracing is set aside. The time of `on_step` is the
+caller's but falls in the next lap (the next step's draft time), as the proposer's observe does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -61,7 +67,7 @@ class DecodeResult:
     tokens: list[int]  # new tokens only
     steps: list[StepStats]  # one per tree verification (the prefill is not a step)
     prompt_tokens: int
-    stop_reason: str  # "stop_token" | "max_new_tokens"
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "cancelled" (on_step asked to stop)
     prefill_s: float
     total_s: float
     reused_prefix: int = 0  # prompt tokens whose KV rows were reused from the previous turn
@@ -73,7 +79,7 @@ class DecodeResult:
 
     @property
     def acceptance_length(self) -> float:
-        """SPEC §5: new tokens / verifier calls; plain decoding scores exactly 1.0."""
+        """docs/spec.md §5: new tokens / verifier calls; plain decoding scores exactly 1.0."""
         return len(self.tokens) / self.verifier_calls
 
     @property
@@ -85,6 +91,11 @@ class DecodeResult:
                 "draft_s": sum(s.draft_s for s in self.steps),
                 "target_s": sum(s.target_s for s in self.steps),
                 "other_s": sum(s.other_s for s in self.steps)}
+
+
+# the per-step hook of Decoder.run: (tokens emitted, that step's record; None for the prefill's
+# first token) -> True to stop decoding after this step (None or False: go on)
+OnStep = Callable[[list[int], "StepStats | None"], "bool | None"]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -122,7 +133,10 @@ class Decoder:
                 f"{context_len + cfg.max_new_tokens} exceeds the target's context window of {window} tokens "
                 "(max_position_embeddings); shorten the prompt or lower --max-new-tokens")
 
-    def run(self, context_ids: list[int], cfg: DecodeConfig, reuse_prefix: bool = False) -> DecodeResult:
+    def run(self, context_ids: list[int], cfg: DecodeConfig, reuse_prefix: bool = False,
+            on_step: OnStep | None = None) -> DecodeResult:
+        """Decode a continuation of context_ids (`reuse_prefix`: keep the cache rows it shares with
+        what this decoder committed before); `on_step`: see OnStep."""
         self._check_prompt(context_ids, cfg)
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         clock = Stopwatch(self.target.device)
@@ -130,7 +144,8 @@ class Decoder:
         prefill_s = clock.lap()
         new, steps, stop, observe_s = [pending], [], set(cfg.stop_token_ids), 0.0
         stopped = pending in stop
-        while not stopped and len(new) < cfg.max_new_tokens:
+        cancelled = on_step is not None and bool(on_step([pending], None))
+        while not stopped and not cancelled and len(new) < cfg.max_new_tokens:
             proposed = self.proposer.propose()  # 1. draft
             info = self.proposer.step_info()
             tree = _rooted_at(proposed, pending).prune_depth(cfg.max_new_tokens - len(new) - 1)  # 2. trim
@@ -144,13 +159,15 @@ class Decoder:
             new += emitted
             pending, stopped = emitted[-1], emitted[-1] in stop
             steps.append(StepStats.of(tree, acc, len(emitted), draft_s, target_s, clock.lap(), info, trace))
+            cancelled = on_step is not None and bool(on_step(emitted, steps[-1]))
             observe_s = 0.0
-            if not stopped and len(new) < cfg.max_new_tokens:  # 6. observe, only if decoding goes on
+            if not stopped and not cancelled and len(new) < cfg.max_new_tokens:  # 6. observe, if decoding goes on
                 self.proposer.observe(proposed, acc, out.features[acc.nodes])
                 observe_s = clock.lap()
-        return DecodeResult(tokens=new, steps=steps, prompt_tokens=len(context_ids),
-                            stop_reason="stop_token" if stopped else "max_new_tokens", prefill_s=prefill_s,
-                            total_s=clock.elapsed(), reused_prefix=reused, trace_s=clock.aside_s)
+        reason = "stop_token" if stopped else "max_new_tokens" if len(new) >= cfg.max_new_tokens else "cancelled"
+        return DecodeResult(tokens=new, steps=steps, prompt_tokens=len(context_ids), stop_reason=reason,
+                            prefill_s=prefill_s, total_s=clock.elapsed(), reused_prefix=reused,
+                            trace_s=clock.aside_s)
 
     def _check_prompt(self, context_ids: list[int], cfg: DecodeConfig) -> None:
         if not context_ids:
@@ -206,9 +223,11 @@ def _cut(emitted: list[int], stop: set[int], room: int) -> list[int]:
     return emitted[:min(m, room)]
 
 
-def generate(target: Target, proposer: Proposer | None, prompt_ids: list[int], cfg: DecodeConfig) -> DecodeResult:
-    """Decode a continuation of prompt_ids from an empty cache. proposer=None: plain decoding."""
-    return Decoder(target, proposer).run(list(prompt_ids), cfg)
+def generate(target: Target, proposer: Proposer | None, prompt_ids: list[int], cfg: DecodeConfig,
+             on_step: OnStep | None = None) -> DecodeResult:
+    """Decode a continuation of prompt_ids from an empty cache. proposer=None: plain decoding;
+    `on_step`: the per-step hook (OnStep)."""
+    return Decoder(target, proposer).run(list(prompt_ids), cfg, on_step=on_step)
 
 
 # ---- chat --------------------------------------------------------------------------------------
@@ -219,6 +238,13 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
         raise ValueError("the target tokenizer has no chat template; pass --raw to decode the prompt as plain text")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reply_text(tokenizer, tokens: list[int], stop_token_ids) -> str:
+    """A reply as a user reads it: the new tokens decoded with the stop tokens and the tokenizer's
+    special tokens left out (`taps generate`, chat turns, the server, regeneration)."""
+    stop = set(stop_token_ids)
+    return tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
 
 
 class ChatSession:
@@ -237,7 +263,6 @@ class ChatSession:
         tok = self.decoder.target.tokenizer
         self.messages.append({"role": "user", "content": user_text})
         result = self.decoder.run(chat_ids(tok, self.messages), self.cfg, reuse_prefix=True)
-        stop = set(self.cfg.stop_token_ids)
-        reply = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True)
+        reply = reply_text(tok, result.tokens, self.cfg.stop_token_ids)
         self.messages.append({"role": "assistant", "content": reply})
         return reply, result

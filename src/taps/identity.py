@@ -84,6 +84,16 @@ def tensors_identity(model) -> str:
     return "sha256:" + h.hexdigest()[:32]
 
 
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a whole file, hex, read in 1 MiB blocks. The digests kept in manifests and
+    results keep the spelling each was first written in (a resumed run compares them as text)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 class MismatchError(ValueError):
     """A resume under other content settings; `key` names the first that differs."""
 

@@ -20,11 +20,13 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from taps import kv
+from taps.config import SpeculationConfig
 from taps.drafter.auto_tree import AutoTree, StepCosts
 from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
@@ -158,7 +160,7 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
         torch.set_num_threads(threads)
     target = Target.load(target_spec, device=device, dtype=dtype)
     head = load_head(drafter, target) if drafter else None
-    # keyed as --tree auto looks it up (auto_tree_policy): a draft level's cost depends on the head's
+    # keyed as --tree auto looks it up (tree_policy): a draft level's cost depends on the head's
     # shape and draft vocabulary, not its weights
     result = profile(target, head, head_shape_key(head) if head is not None else None, measure=measure,
                      repeats=repeats)
@@ -173,15 +175,22 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
     return "\n".join(lines)
 
 
-def auto_tree_policy(target, heads: dict, tree):
-    """A factory of AutoTree policies (one per drafter: each calibrates its own confidences) from
-    the cached profile of this machine, target, dtype and threads, with the first head's draft
-    levels (measured now, once, if missing)."""
-    head = next((h for h in heads.values() if isinstance(h, DraftHead)), None)
+def tree_policy(target, heads: Iterable, speculation: SpeculationConfig):
+    """The tree policy of a run, built here and nowhere else: None for fixed trees; for mode
+    auto, a factory of AutoTree policies (one per drafter: each calibrates its own confidences)
+    from the cached profile of this machine, target, dtype and threads, with the first head's
+    draft levels (measured now, once, if missing). `heads`: every loaded member the run may
+    draft with; auto sizes the trees of EAGLE heads, so a run without one is refused (plain
+    decoding and prompt lookup have no tree to size)."""
+    if not speculation.auto:
+        return None
+    head = next((h for h in heads if isinstance(h, DraftHead)), None)
     if head is None:
-        raise ValueError("--tree auto sizes the trees of EAGLE heads; give at least one head with --drafter")
+        raise ValueError("--tree auto sizes the trees of EAGLE heads and none is given: give a head with --drafter "
+                         "(a study: a variant with one), or use fixed trees (eval.tree.mode: fixed)")
     costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))
-    return lambda: AutoTree(costs, top_k=tree.top_k)
+    top_k = speculation.tree.top_k
+    return lambda: AutoTree(costs, top_k=top_k)
 
 
 def head_shape_key(head) -> str:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
-from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
+from taps.config import DEMO_OUT, STUDY_STAGES, SpeculationConfig
 from taps.eval import report
 from taps.eval.benchmarks import load_questions
 from taps.eval.runner import EvalSettings, ResultsMismatchError, eval_benchmarks
@@ -44,7 +44,7 @@ STAGES = STUDY_STAGES
 # user's choices and keep the usual refusal
 NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights")
 
-# The paper's seven variants per backbone (SPEC §1), plus the baseline and this project's merges.
+# The paper's seven variants per backbone (docs/spec.md §1), plus the baseline and this project's merges.
 PAPER_VARIANTS = {
     "baseline": "baseline",
     "{backbone}-math": "{drafters}/{backbone}-math",
@@ -189,14 +189,15 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     eval_jobs = ev.get("jobs", 1)
     if not isinstance(eval_jobs, int) or isinstance(eval_jobs, bool) or eval_jobs < 1:
         raise StudyConfigError(f"{source}: eval.jobs must be an integer >= 1, got {eval_jobs!r}")
-    tree = dict(_check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"}))
-    mode = tree.pop("mode", "fixed")
-    if mode not in ("fixed", "auto"):
-        raise StudyConfigError(f"{source}: eval.tree.mode must be fixed or auto, got {mode!r}")
+    tree = _check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"})
+    try:  # the same defaults (mode auto: the caps) and checks as --tree, --total-tokens, --depth, --top-k
+        speculation = SpeculationConfig.of(**tree)
+    except ValueError as err:
+        raise StudyConfigError(f"{source}: eval.tree.{err}") from None
     try:
         settings = EvalSettings(temperatures=tuple(float(t) for t in ev.get("temperatures", [0.0])),
                                 max_new_tokens=int(ev.get("max_new_tokens", 512)), seed=int(ev.get("seed", 0)),
-                                tree=TreeConfig(**tree), top_p=float(ev.get("top_p", 1.0)), auto_tree=mode == "auto")
+                                speculation=speculation, top_p=float(ev.get("top_p", 1.0)))
     except (TypeError, ValueError) as err:
         raise StudyConfigError(f"{source}: eval: {err}") from None
     benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
@@ -246,8 +247,7 @@ def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:
         lines.append(f"eval: {len(study.variants)} variants x {', '.join(study.benches)} x temperatures "
                      f"{', '.join(f'{t:g}' for t in study.settings.temperatures)}"
                      f" (limit {study.limit or 'none'}, max_new_tokens {study.settings.max_new_tokens}, tree "
-                     f"{'auto, caps ' if study.settings.auto_tree else ''}"
-                     f"{study.settings.tree.total_tokens}/{study.settings.tree.depth}/{study.settings.tree.top_k})"
+                     f"{study.settings.speculation.describe()})"
                      f" -> {study.results}")
         for v in study.variants:
             members = ", ".join(f"{n}={d}" for n, d in v.drafters)
@@ -296,8 +296,7 @@ class DemoSettings:
 
     per_bench: int = 1  # questions per benchmark
     max_new_tokens: int = 96  # answer length cap per turn
-    tree: TreeConfig = field(default_factory=TreeConfig)  # the tree shape (with auto_tree: its caps)
-    auto_tree: bool = False  # cost-aware trees (the eval config's tree mode: auto)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # the tree mode and shape
     dtype: str = "auto"  # the target's and heads' dtype
     jobs: int = 1  # evaluation worker processes
 
@@ -323,13 +322,12 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settin
         raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
                                 f"train them with `taps reproduce` (a config with drafters.recipe, e.g. "
                                 f"configs/smollm2.yaml)")
-    shape = {**asdict(settings.tree), **({"mode": "auto"} if settings.auto_tree else {})}
     config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
               "backbones": backbones, "lambdas": list(lambdas),
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
                        "limit": settings.per_bench, "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype,
-                       "jobs": settings.jobs, "tree": shape}}
+                       "jobs": settings.jobs, "tree": settings.speculation.as_config()}}
     return study_from_dict(config, "taps demo", data_dir)
 
 
@@ -360,10 +358,8 @@ def run_demo(models: str | Path, out: str | Path = DEMO_OUT, data_dir: str | Non
     directory, results of an earlier embedded default (other target or drafter weights) are moved
     aside, kept, and the demo starts afresh: `make demo` after a new default shipped still just works."""
     study = demo_study(models, out, data_dir, settings)
-    tree = settings.tree
     echo(f"taps demo: {len(study.variants)} variants x {', '.join(study.benches)} ({settings.per_bench} questions "
-         f"each, temperature 0, tree {'auto' if settings.auto_tree else 'fixed'} "
-         f"{tree.total_tokens}/{tree.depth}/{tree.top_k}) on {study.target}")
+         f"each, temperature 0, tree {settings.speculation.describe()}) on {study.target}")
     try:
         report_dir = run_study(study, ("eval", "report"), progress=progress)
     except ResultsMismatchError as e:

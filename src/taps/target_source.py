@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from taps.identity import file_sha256
 from taps.jsonl import read_json, write_json_atomic
 
 GGUF_MAGIC = b"GGUF"
@@ -226,11 +227,7 @@ def convert_target(source: str, out: str | Path, dtype: str = "float32") -> tupl
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
+    return "sha256:" + file_sha256(path)  # a conversion manifest's spelling
 
 
 def cached_conversion(path: Path, source_name: str | None = None, progress=sys.stderr) -> Path:

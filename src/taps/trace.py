@@ -1,4 +1,4 @@
-"""What the study needs to know about one verification step, beyond the accepted length (SPEC §5).
+"""What the study needs to know about one verification step, beyond the accepted length (docs/spec.md §5).
 
 The decode loop calls `step_trace` only when asked (DecodeConfig.trace): it reads the tree and
 the target's logits and changes nothing, so decoding is the same with or without it. Its cost
@@ -6,7 +6,7 @@ is kept out of the decoder's timings.
 
 Terms: the *accepted path* is the root plus the accepted nodes; every other draft node is
 *rejected*. Draft confidence c(v) = exp(cumulative log-prob) and draft entropy are the head's
-(SPEC §2). Verifier entropy is the entropy of softmax(target logits) at temperature 1 at a node:
+(docs/spec.md §2). Verifier entropy is the entropy of softmax(target logits) at temperature 1 at a node:
 at the root and every accepted node but the last, a draft token was accepted there; at the last
 accepted node every child (if it has any) was rejected — the first rejected position.
 """
@@ -32,10 +32,12 @@ class StepTrace:
     verifier_entropy_rejected: float | None  # target entropy where every draft child was rejected; None at a leaf
 
 
-def entropy(logits: Tensor) -> Tensor:
-    """[..., V] logits -> [...] entropy in nats of softmax(logits), computed in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
+    """The package's one entropy (docs/spec.md §2), of draft distributions (drafter/expand.py) and of
+    the target's (here): -sum p log p over log-probabilities; a token of probability 0 (logp -inf,
+    as a filtered or reduced distribution has) contributes 0, not NaN."""
+    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return -(logp.exp() * finite).sum(-1)
 
 
 def step_trace(tree: DraftTree, acceptance: Acceptance, logits: Tensor) -> StepTrace:
@@ -46,7 +48,7 @@ def step_trace(tree: DraftTree, acceptance: Acceptance, logits: Tensor) -> StepT
     on_path[0] = True
     others = (~on_path).nonzero().flatten()  # [N-1-A]
     confidence, draft_entropy = tree.confidence.float(), tree.entropy.float()
-    verifier = entropy(logits[path])  # [A+1]
+    verifier = entropy_of(torch.log_softmax(logits[path].float(), dim=-1))  # [A+1], in float32
     last = int(path[-1])
     has_children = bool((tree.parents == last).any())
     return StepTrace(

@@ -166,12 +166,43 @@ def additive_mask(
     return mask[None, None]
 
 
+class TokenPaths:
+    """A tree walked by token path: the verifier's walk (verify.py) and every proposer's mapping
+    of what the target emitted back onto its own tree (which may have been trimmed, merged or not
+    verified at all, so node ids do not carry over). Nodes that spell the same tokens from the root
+    (one proposal from several drafters of a merged tree) are one *state* and their children are
+    pooled, so each distinct token is one option."""
+
+    def __init__(self, tree: "DraftTree"):
+        self.kids, self.tokens, self.logp = tree.children(), tree.tokens.tolist(), tree.logp.tolist()
+
+    def options(self, state: Sequence[int]) -> dict[int, list[int]]:
+        """token -> the children of `state` carrying it (in node order), the tokens best draft score
+        first (ties: the lower node)."""
+        pooled = sorted((c for node in state for c in self.kids[node]), key=lambda c: (-self.logp[c], c))
+        by_token: dict[int, list[int]] = {}
+        for child in pooled:
+            by_token.setdefault(self.tokens[child], []).append(child)
+        return {token: sorted(nodes) for token, nodes in by_token.items()}
+
+    def follow(self, tokens: Sequence[int]) -> list[list[int]]:
+        """The states along `tokens` from the root ([0] first), as far as the tree holds them:
+        len(result) - 1 tokens matched."""
+        states = [[0]]
+        for token in tokens:
+            nodes = self.options(states[-1]).get(token)
+            if not nodes:
+                break
+            states.append(nodes)
+        return states
+
+
 def drafter_bits(source: Tensor) -> Tensor:
     """[N] long bitmask of one drafter per node: bit source[i] (0 where source is -1, the root)."""
     return torch.where(source >= 0, 1 << source.clamp(min=0), torch.zeros_like(source))
 
 
-# ---- merging the trees of several drafters (SPEC §4 merged trees, §7 trie and budget merges) ----
+# ---- merging the trees of several drafters (docs/spec.md §4, merges) ----
 # Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
 # attributed to drafter h (whatever their own `sources` say). Output: one DraftTree whose nodes
 # keep the parents-before-children order, with `sources` = the bitmask of every drafter that
@@ -280,7 +311,7 @@ def path_scores(tree: DraftTree) -> list[float]:
 
 
 def rerank(tree: DraftTree, total_tokens: int) -> DraftTree:
-    """Keep the root and the total_tokens - 1 most confident nodes (SPEC §2 step 3, applied to any
+    """Keep the root and the total_tokens - 1 most confident nodes (docs/spec.md §2 step 3, applied to any
     tree). A node's rank score is the lowest logp on its path, which is its own logp whenever
     scores do not increase along paths (always, for EAGLE-2 trees and their merges); ties keep the
     earlier node, so the kept set always contains each kept node's parent."""

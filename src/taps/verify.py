@@ -16,7 +16,7 @@ Both rules walk the tree from the root. Nodes that carry the same token sequence
 (for example the same proposal from two drafters in a merged tree) are walked as one state and
 their children pooled: the target distribution at such nodes is the same, because their
 contexts are identical, so each distinct token is tried once. This is what makes routed and
-merged trees exactly as lossless as a single tree (SPEC §3, paper appendix A.4).
+merged trees exactly as lossless as a single tree (docs/spec.md §3, the paper's appendix A.4).
 
 Sampling is the recursive rejection scheme for deterministic draft candidates: at the current
 state with target distribution p, each distinct child token x is tried in order of draft score
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from taps.config import SamplingConfig
-from taps.tree import DraftTree
+from taps.tree import DraftTree, TokenPaths
 
 
 @dataclass(frozen=True)
@@ -90,19 +90,14 @@ _Chooser = Callable[[int, list[int]], tuple[int | None, int | None]]
 
 
 def _walk(tree: DraftTree, choose: _Chooser) -> Acceptance:
-    kids = tree.children()
-    tokens = tree.tokens.tolist()
-    logp = tree.logp.tolist()
+    paths = TokenPaths(tree)
     state = [0]  # nodes sharing one token path from the root; state[0] is the representative
     while True:
-        pooled = sorted((c for node in state for c in kids[node]), key=lambda c: (-logp[c], c))
-        by_token: dict[int, list[int]] = {}
-        for child in pooled:
-            by_token.setdefault(tokens[child], []).append(child)
+        by_token = paths.options(state)  # the distinct next tokens, best draft score first
         accepted, bonus = choose(state[0], list(by_token))
         if accepted is None:
             break
-        state = sorted(by_token[accepted])  # lowest node id first: ties go to the first tree
+        state = by_token[accepted]  # lowest node id first: ties go to the first tree
     last = state[0]
     nodes = torch.tensor(tree.path_to(last), dtype=torch.long, device=tree.tokens.device)
     return Acceptance(nodes=nodes, tokens=tree.tokens[nodes], bonus=int(bonus))

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "records, without it every record is taken")
     mix.add_argument("--seed", type=int, default=42, help="seed of the draws and of the shuffle")
     mix.add_argument("--out", required=True, help="output JSONL file (written atomically)")
-    mix.add_argument("--data-dir", help=f"folder laid out like shared/data (default: ${DATA_DIR_ENV})")
+    mix.add_argument("--data-dir", help=f"data directory, laid out as docs/spec.md §8 says (default: ${DATA_DIR_ENV})")
     mix.add_argument("--english", action="store_true", help="keep English conversations only (a heuristic)")
     mix.set_defaults(func=_mix)
 

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from taps.config import setting
 from taps.data.chat import encode_conversation
 from taps.drafter.head3 import check_aux_layers, default_aux_layers
-from taps.identity import MismatchError, check_same
+from taps.identity import MismatchError, check_same, file_sha256
 from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
 from taps.target import Target
@@ -63,11 +63,7 @@ def read_conversations(path: str | Path) -> list[dict]:
 
 
 def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()[:32]
+    return "sha256:" + file_sha256(path)[:32]  # a features manifest's spelling
 
 
 @dataclass

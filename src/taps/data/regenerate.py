@@ -37,7 +37,7 @@ import torch
 
 from taps.config import DecodeConfig, SamplingConfig, check_at_least, setting
 from taps.data.features import read_conversations
-from taps.decode import ChatSession, chat_ids
+from taps.decode import ChatSession, chat_ids, reply_text
 from taps.drafter.checkpoint import load_head
 from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
 from taps.propose.single import SingleProposer
@@ -212,7 +212,7 @@ def _regenerate_batch(target, records: list[dict], cfg: DecodeConfig, seed: int)
             answer = answer if end is None else answer[:end + 1]
             stops[j].append("stop_token" if end is not None else "max_new_tokens")
             new_tokens[j] += len(answer)
-            reply = tok.decode([t for t in answer if t not in stop], skip_special_tokens=True)
+            reply = reply_text(tok, answer, stop)
             messages[j].append({"role": "assistant", "content": reply})
     return [{**r, "conversations": m, "regenerated": {"original_turns": len(r["conversations"]), "stop_reasons": s,
                                                       "new_tokens": t, "batch_size": len(records)}}

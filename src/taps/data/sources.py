@@ -45,7 +45,7 @@ ROLES = {
 }
 
 DATA_DIR_ENV = "TAPS_DATA_DIR"
-# well-known names resolved inside a data directory laid out like ../shared/data: (pattern, default split)
+# well-known names resolved inside a data directory (docs/spec.md §8): (pattern, default split)
 DATA_DIR_LAYOUT = {"gsm8k": ("gsm8k/{split}.jsonl", "train")}
 
 _WS = re.compile(r"[ \t\n\r]*")  # JSON's own whitespace

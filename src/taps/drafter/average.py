@@ -1,4 +1,4 @@
-"""Weight averaging of drafter heads (SPEC §4 "Averaged"): theta = sum_i w_i * theta_i.
+"""Weight averaging of drafter heads (docs/spec.md §4, "Averaged"): theta = sum_i w_i * theta_i.
 
 Every head parameter is averaged (weights non-negative, summing to 1), in float64, then cast back
 to the first head's dtype. Heads must agree on every key and shape and on the config fields that

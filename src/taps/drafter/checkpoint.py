@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the EAGLE layout (DESIGN.md), loaded strictly.
+"""Drafter checkpoints in the EAGLE layout (docs/spec.md §7), loaded strictly.
 
 A drafter directory holds `config.json` (a LlamaConfig with num_hidden_layers 1, architectures
 ["LlamaForCausalLMEagle"], `bias` for fc, and a `taps` block) and `model.safetensors` with keys
@@ -17,7 +17,6 @@ with the target's vocabulary; a head without draft_vocab_size must have neither.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -33,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 from taps.drafter.head import DraftHead, EagleHead, head_config_for
 from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
+from taps.identity import file_sha256
 from taps.jsonl import read_json
 from taps.target import tokenizer_fingerprint
 from taps.target_source import resolve_target, target_name
@@ -195,12 +195,9 @@ def save_head(head: DraftHead, out_dir: str | Path, info: DrafterInfo, export_fc
 
 
 def weights_digest(drafter_dir: str | Path) -> str:
-    """sha256 of a drafter's model.safetensors: results measured with other weights are never reused."""
-    h = hashlib.sha256()
-    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """sha256 of a drafter's model.safetensors (bare hex, as results record it): results measured
+    with other weights are never reused."""
+    return file_sha256(Path(drafter_dir) / "model.safetensors")
 
 
 def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:

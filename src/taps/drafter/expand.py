@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic tree expansion (SPEC §2), one head, from its HeadContext.
+"""EAGLE-2 dynamic tree expansion (docs/spec.md §2), one head, from its HeadContext.
 
 1. The head's distribution at the root gives the top-k level-1 candidates (score = log-prob).
 2. For levels 2..depth: the current k beams run through the head at once (each attends to the
@@ -26,12 +26,8 @@ from taps import kv
 from taps.config import TreeConfig
 from taps.drafter.context import HeadContext
 from taps.drafter.head import EagleHead
+from taps.trace import entropy_of
 from taps.tree import DraftTree, additive_mask
-
-
-def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
-    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return -(logp.exp() * finite).sum(-1)
 
 
 @torch.inference_mode()

@@ -1,6 +1,6 @@
 """EagleHead: fc on [embed(next token); target feature], one Llama decoder layer, shared LM head.
 
-SPEC §1: `fc = Linear(2h -> h)` on `concat(embed(token_{t+1}), feature_t)`, then one decoder
+docs/spec.md §1: `fc = Linear(2h -> h)` on `concat(embed(token_{t+1}), feature_t)`, then one decoder
 layer with NO input layernorm and NO final norm; the target's own embedding and LM head are
 used by reference (they are never copied, registered or saved). Module and key names follow
 the published EAGLE / HASS heads: `fc.*`, `layers.0.*`.

@@ -1,8 +1,8 @@
 """The study's benchmarks (MT-Bench, GSM8K, MATH-500, SVAMP, or any FastChat question file) as one
 record shape, `Question`, so the runner never looks at a data set's own format.
 
-Sources, in order: a file in the data directory (`data_dir`, else $TAPS_DATA_DIR), laid out like
-../shared/data; else the Hugging Face hub through `datasets` when it is installed and online. A path to
+Sources, in order: a file in the data directory (`data_dir`, else $TAPS_DATA_DIR), laid out as
+docs/spec.md §8 says; else the Hugging Face hub through `datasets` when it is installed and online. A path to
 any FastChat `question.jsonl` is a benchmark too, named by its folder (or `NAME=PATH`).
 
 Malformed input raises `BenchmarkFormatError` naming the file, the line (1-based) and what was
@@ -35,7 +35,7 @@ class BenchmarkFormatError(ValueError):
     """Malformed benchmark input; the message names the file, the line and what was expected."""
 
 
-# name -> file inside a data directory laid out like ../shared/data
+# name -> file inside a data directory (docs/spec.md §8)
 BENCHMARKS: dict[str, str] = {
     "mt_bench": "mt_bench/question.jsonl",
     "gsm8k": "gsm8k/test.jsonl",

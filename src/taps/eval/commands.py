@@ -11,8 +11,8 @@ import argparse
 import os
 
 from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
-                           positive_int, tree_shape)
-from taps.config import DEMO_OUT, STUDY_STAGES, TreeConfig
+                           positive_int, speculation_from)
+from taps.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
 from taps.eval.runner import EvalSettings, eval_benchmarks
@@ -40,7 +40,7 @@ def add_decode_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    add_tree_arguments(p, auto=True)
+    add_tree_arguments(p)
     add_device_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -55,7 +55,7 @@ def register(sub) -> None:
                    help="comma-separated benchmark names or paths to FastChat question.jsonl files ([name=]PATH)")
     p.add_argument("--temperature", type=number_list, default="0", help="comma-separated, e.g. 0,1")
     p.add_argument("--out", required=True, help="results directory (records.jsonl, run.json); reruns resume")
-    p.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR)")
+    p.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR)")
     p.add_argument("--limit", type=positive_int, help="first N questions of each benchmark")
     p.add_argument("--category", action="append", help="keep only this category (repeat)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes on this machine, each every N-th question "
@@ -67,7 +67,7 @@ def register(sub) -> None:
 
 def _eval(args) -> int:
     settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            tree=TreeConfig(*tree_shape(args)), top_p=args.top_p, auto_tree=args.tree == "auto")
+                            speculation=speculation_from(args), top_p=args.top_p)
     questions = load_questions(args.bench, args.data_dir, args.limit, args.category)
     print(eval_benchmarks(TargetRef(args.target, args.device, args.dtype), args.variant, questions, args.out, settings,
                           args.jobs, progress=not args.no_progress))
@@ -79,7 +79,7 @@ def register_study(sub) -> None:
     r = sub.add_parser("reproduce", help="run a whole study from a YAML config: target, drafters, eval, report",
                        formatter_class=DefaultsHelpFormatter)
     r.add_argument("config", help="study config, e.g. configs/smollm2.yaml")
-    r.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: the config's, "
+    r.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: the config's, "
                                       "else $TAPS_DATA_DIR)")
     r.add_argument("--stages", default=",".join(STUDY_STAGES), help="comma-separated subset of the stages, in order")
     r.add_argument("--dry-run", action="store_true", help="print what would run (and what is skipped); run nothing")
@@ -91,14 +91,14 @@ def register_study(sub) -> None:
     d.add_argument("--models", default="models/smollm2-135m-instruct",
                    help="the embedded default: drafters/ (and target/, unless the directory is named after a "
                         "known target)")
-    d.add_argument("--data-dir", help="data directory laid out like ../shared/data (default: $TAPS_DATA_DIR, "
+    d.add_argument("--data-dir", help="data directory, laid out as docs/spec.md §8 says (default: $TAPS_DATA_DIR, "
                                       "else the Hugging Face hub)")
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
                                                    "directory, results of an earlier embedded default are moved aside)")
     d.add_argument("--per-bench", type=positive_int, default=1,
                    help="questions per benchmark (default 1: every variant in ~15 min on 2 cores)")
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
-    add_tree_arguments(d, auto=True)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
+    add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
                                                                    "GPUs and AMX CPUs, else fp32)")
     d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
@@ -119,8 +119,7 @@ def _reproduce(args) -> int:
 
 
 def _demo(args) -> int:
-    settings = DemoSettings(args.per_bench, args.max_new_tokens, TreeConfig(*tree_shape(args)), args.tree == "auto",
-                            args.dtype, args.jobs)
+    settings = DemoSettings(args.per_bench, args.max_new_tokens, speculation_from(args), args.dtype, args.jobs)
     run_demo(args.models, args.out, args.data_dir, settings, progress=not args.no_progress)
     return 0
 

@@ -1,6 +1,6 @@
 """The model card's acceptance table: every shipped drafter on the first n GSM8K-test and n
 MT-Bench (first turn) questions, at temperatures 0 and 1, with the pooled acceptance length
-(new tokens / verifier calls, SPEC §5) of each cell: the quick, per-head view of a family of
+(new tokens / verifier calls, docs/spec.md §5) of each cell: the quick, per-head view of a family of
 heads that a model card quotes (the study, `taps eval`, measures compositions and more).
 
 The table is written after every drafter and a rerun measures only the drafters whose weights

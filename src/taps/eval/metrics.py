@@ -1,9 +1,9 @@
-"""The study's metrics, computed from results records (SPEC §5) and nothing else.
+"""The study's metrics, computed from results records (docs/spec.md §5) and nothing else.
 
 Every function is pure: it takes a list of record dicts (taps.eval.records) and returns numbers,
 so the report, the tests and an ad-hoc notebook all compute the same thing the same way.
 
-Conventions (SPEC §5), stated once:
+Conventions (docs/spec.md §5), stated once:
 - a step is one verifier call on a tree; the prefill is a verifier call too and emits the first
   token, so a record's new_tokens = 1 + sum(emitted) and verifier_calls = steps + 1;
 - acceptance length tau = new tokens / verifier calls, pooled: each step contributes its accepted
@@ -63,7 +63,7 @@ def _require(records: Sequence[dict], what: str) -> None:
 
 
 def acceptance_length(records: Sequence[dict]) -> float:
-    """Pooled tau = sum(new_tokens) / sum(verifier_calls) (SPEC §5); plain decoding gives 1.0.
+    """Pooled tau = sum(new_tokens) / sum(verifier_calls) (docs/spec.md §5); plain decoding gives 1.0.
 
     Pooled over every step of every record, so long answers weigh by their length, as the paper's
     per-benchmark numbers do."""
@@ -72,7 +72,7 @@ def acceptance_length(records: Sequence[dict]) -> float:
 
 
 def per_question_acceptance(records: Sequence[dict]) -> float:
-    """Mean over questions of each question's tau, its turns pooled (SPEC §5: "the per-question mean").
+    """Mean over questions of each question's tau, its turns pooled (docs/spec.md §5: the per-question mean).
 
     A question is a conversation (variant, bench, temperature, question_id): within one run that is
     (bench, question_id); the extra fields only keep different runs apart in a mixed list."""
@@ -100,7 +100,7 @@ def accepted_length_histogram(records: Sequence[dict]) -> list[int]:
 
 
 def acceptance_by_depth(records: Sequence[dict], depth: int | None = None) -> list[float]:
-    """[alpha_1 .. alpha_depth], alpha_d = #steps accepting >= d / #steps accepting >= d-1 (SPEC §5).
+    """[alpha_1 .. alpha_depth], alpha_d = #steps accepting >= d / #steps accepting >= d-1 (docs/spec.md §5).
 
     The conditional rate of accepting the d-th draft token given the first d-1 were accepted, over
     all steps; depth defaults to the longest acceptance seen; a zero denominator gives nan."""
@@ -124,7 +124,7 @@ def _mean_or_nan(total: float, count: int) -> float:
 
 
 def entropy_summary(records: Sequence[dict]) -> dict:
-    """Accepted vs rejected entropies (SPEC §5), as node-level means and histograms.
+    """Accepted vs rejected entropies (docs/spec.md §5), as node-level means and histograms.
 
     draft_entropy_*: the head's entropy at the accepted-path nodes vs every other node of the same
     trees (the rejected mean is weighted by each step's rejected_count, so it is a mean over nodes);
@@ -309,7 +309,7 @@ def _turn(record: dict) -> tuple[str, str, int, float]:
 
 
 def speedup(records: Sequence[dict], baseline_records: Sequence[dict]) -> float:
-    """tokens/s of `records` over tokens/s of plain decoding (SPEC §5), over the turns both have.
+    """tokens/s of `records` over tokens/s of plain decoding (docs/spec.md §5), over the turns both have.
 
     Only (bench, question_id, turn, temperature) present on both sides count, so a partial run is
     compared with the same prompts, not with a different mix of short and long answers."""

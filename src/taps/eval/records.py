@@ -1,7 +1,7 @@
 """The results record: one JSON line per (variant, benchmark, temperature, question, turn).
 
 Everything the metrics and the report compute comes from these records, so they keep the raw
-per-step facts rather than summaries (SPEC §5). Field by field:
+per-step facts rather than summaries (docs/spec.md §5). Field by field:
 
 identity    variant, bench, question_id (str), turn (0-based), temperature, category, seed,
             drafters (member names of a composed variant, in drafter-index order; [] for baseline)

@@ -1,6 +1,6 @@
 """`taps report RESULTS_DIR --out DIR`: the study's tables and figures, from records and run.json only.
 
-Every number comes from taps.eval.metrics (SPEC §5), so the report, the tests and a notebook agree.
+Every number comes from taps.eval.metrics (docs/spec.md §5), so the report, the tests and a notebook agree.
 Each table is written three ways: Markdown to read, CSV with raw numbers to re-plot elsewhere, and
 LaTeX (booktabs) for a paper. report.md puts them together with the figures and says what was
 skipped and why, so a gap is never silent.

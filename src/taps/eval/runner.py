@@ -1,7 +1,7 @@
 """`taps eval`: decode every benchmark question with every variant, one record per turn.
 
 Order: for each question, for each temperature, every variant in turn — so all variants see the
-same machine noise and the baseline's speed is measured side by side with theirs (SPEC §5).
+same machine noise and the baseline's speed is measured side by side with theirs (docs/spec.md §5).
 MT-Bench's second turn continues each variant's own conversation (its own first answer).
 
 Resumable: the turns of one conversation are appended in one write (taps.jsonl); a rerun skips
@@ -28,16 +28,15 @@ import torch
 from tqdm import tqdm
 
 from taps import workers
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from taps.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
-from taps.drafter.head import DraftHead
 from taps.eval.benchmarks import Question
 from taps.eval.records import TurnIdentity, conversation_key, read_records, record_key, turn_record
 from taps.identity import MismatchError, check_same
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
-from taps.profile import auto_tree_policy
+from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
 from taps.target import Target, TargetRef
@@ -62,10 +61,9 @@ class EvalSettings:
     temperatures: tuple[float, ...] = (0.0,)
     max_new_tokens: int = 512
     seed: int = 0
-    tree: TreeConfig = field(default_factory=TreeConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # the tree mode and shape
     top_p: float = 1.0
     warmup: bool = True  # decode a few tokens with every variant before timing anything
-    auto_tree: bool = False  # cost-aware trees (drafter/auto_tree.py); `tree` holds the caps
 
 
 @dataclass(frozen=True)
@@ -95,11 +93,11 @@ def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings:
     for q in questions:
         benches[q.bench] = benches.get(q.bench, 0) + 1
     return {"target": str(target_dir), "target_fingerprint": target.fingerprint(), **target.identity(),
-            "tree": asdict(settings.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
+            "tree": asdict(settings.speculation.tree), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
             "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
             "drafter_weights": drafter_weights(variants),
             "temperatures": list(settings.temperatures), "benches": benches,
-            **({"tree_mode": "auto"} if settings.auto_tree else {})}
+            **({"tree_mode": "auto"} if settings.speculation.auto else {})}  # absent: fixed (older results)
 
 
 def drafter_weights(variants: Sequence[VariantSpec]) -> dict[str, str]:
@@ -160,7 +158,7 @@ def _resume_learning(pool: HeadPool, variants: Sequence[VariantSpec], settings: 
     resumed, it first learns again from its records already written, in the order they were
     written, so it goes on as the interrupted run would have (exactly, for one process; a --jobs
     worker learns from its own questions, and on resume from every worker's records so far)."""
-    learning = {v.name: pool.bandit(v, settings.tree) for v in variants}
+    learning = {v.name: pool.bandit(v, settings.speculation.tree) for v in variants}
     learning = {name: state for name, state in learning.items() if state is not None}
     if not learning:
         return
@@ -207,13 +205,16 @@ def run_eval(target, target_dir: str, variants: Sequence[VariantSpec], questions
 def _run_eval(target, target_dir, variants, questions, out: Path, settings: EvalSettings, shard: Shard,
               progress: bool, merge: bool) -> int:
     info = check_run_info(out, run_info(target, target_dir, variants, settings, questions))
+    pool = HeadPool(target)
+    members = dict.fromkeys(path for v in variants for _, path in v.drafters)
+    # loaded only as far as the policy needs (fixed trees: none of them); heads of one target share a shape
+    policy = tree_policy(target, (pool.head(path) for path in members), settings.speculation)
+    tree = settings.speculation.tree
     if shard.rank == 0:
         write_json_atomic(out / RUN_INFO, info)
     sink = out / RECORDS if shard.world == 1 else out / SHARDS / f"rank-{shard.rank}.jsonl"
     read_jsonl(sink, repair_torn=True)  # only this process appends to its sink
     done = finished(out)
-    pool = HeadPool(target)
-    policy = _auto_tree_policy(target, pool, variants, settings) if settings.auto_tree else None
     stop = target.stop_token_ids()
     units = [(q, t, v) for i, q in enumerate(questions) if shard.mine(i)
              for t in settings.temperatures for v in variants
@@ -221,7 +222,7 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     if settings.warmup and units:
         warm = DecodeConfig(max_new_tokens=8, stop_token_ids=stop)
         for v in variants:
-            decode_conversation(target, pool.proposer(v, settings.tree, policy), Question("warmup", "0", "", ("Hello",)),
+            decode_conversation(target, pool.proposer(v, tree, policy), Question("warmup", "0", "", ("Hello",)),
                                 warm)
     pool.forget()  # the warmup teaches no route-bandit
     _resume_learning(pool, variants, settings, out)
@@ -231,7 +232,7 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
         cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, stop_token_ids=stop, seed=seed,
                            sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
                            trace=bool(v.drafters))
-        turns = decode_conversation(target, pool.proposer(v, settings.tree, policy), q, cfg)
+        turns = decode_conversation(target, pool.proposer(v, tree, policy), q, cfg)
         who = TurnIdentity(v.name, q.bench, q.question_id, 0, temperature, q.category, seed, v.member_names)
         append_jsonl(sink, [turn_record(result, replace(who, turn=i), reply)
                             for i, (result, reply) in enumerate(turns)])
@@ -300,15 +301,6 @@ def _run_eval_jobs(source: TargetRef, variants, questions, out: Path, settings, 
         raise RuntimeError(f"eval worker(s) {', '.join(map(str, failed))} of {jobs} failed (see the traceback above); "
                            "their finished conversations are kept and a rerun decodes the rest")
     return len(read_records(out / RECORDS))
-
-
-def _auto_tree_policy(target, pool: HeadPool, variants: Sequence[VariantSpec], settings: EvalSettings):
-    """The cost-aware tree policy factory of a run: costs from this machine's profile, with the
-    first drafter's draft levels (heads of one target share their shape)."""
-    heads = {path: pool.head(path) for path in dict.fromkeys(p for v in variants for _, p in v.drafters)}
-    if not any(isinstance(h, DraftHead) for h in heads.values()):
-        return None  # baseline and prompt lookup only: no head tree to size
-    return auto_tree_policy(target, heads, settings.tree)
 
 
 def merge_shards(out: Path) -> int:

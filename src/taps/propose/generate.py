@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import DecodeResult, chat_ids, generate
-from taps.profile import auto_tree_policy
+from taps.config import DecodeConfig, SpeculationConfig
+from taps.decode import DecodeResult, chat_ids, generate, reply_text
+from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
 from taps.target import TargetRef
@@ -46,10 +46,11 @@ class Generated:
 
 
 def generate_prompt(source: TargetRef, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
-                    tree: TreeConfig | None = None, auto_tree: bool = False,
+                    speculation: SpeculationConfig = SpeculationConfig(),
                     decode: DecodeConfig | None = None) -> Generated:
     """Decode one prompt: token ids as they are, or a user message through the chat template
-    (`raw`: tokenized as plain text). `tree`: the tree shape (with `auto_tree`, its caps).
+    (`raw`: tokenized as plain text). `speculation`: the tree mode and shape (a drafter's; plain
+    decoding drafts none).
     `decode`: length, sampling and seed (default: DecodeConfig's); no stop tokens: the target's."""
     target = source.load()
     tok = target.tokenizer
@@ -62,10 +63,9 @@ def generate_prompt(source: TargetRef, spec: VariantSpec, prompt: str | list[int
     else:
         ids = chat_ids(tok, [{"role": "user", "content": prompt}])
     pool = HeadPool(target, source.attn)
-    policy = auto_tree_policy(target, pool.heads(spec), tree) if auto_tree and spec.drafters else None
+    policy = tree_policy(target, pool.heads(spec).values(), speculation)
     cfg = decode or DecodeConfig()
     cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
-    result = generate(target, pool.proposer(spec, tree or TreeConfig(), policy), ids, cfg)
-    stop = set(cfg.stop_token_ids)
-    text = tok.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True) if tok else ""
+    result = generate(target, pool.proposer(spec, speculation.tree, policy), ids, cfg)
+    text = reply_text(tok, result.tokens, cfg.stop_token_ids) if tok else ""
     return Generated(text, result)

@@ -11,7 +11,7 @@ longest n and most recent occurrence first, until `top_k` continuations or `tota
 Node scores make the tree usable in routed and merged compositions, whose rules read them:
   logp(node) = depth * log(q) + log(1 / (rank + 1))
 where q is this proposer's own running rate of accepted draft tokens (a Beta(1, 1) prior, then
-accepted / tried on the verified branch, SPEC's conditional acceptance rate), so a confidence of
+accepted / tried on the verified branch, docs/spec.md §5's conditional acceptance rate), so a confidence of
 exp(logp) is a calibrated estimate, and `rank` orders the continuations. A node's entropy is the
 binary entropy of q (the draft is deterministic; this keeps the entropy router's scale). With no
 match the tree is the root alone: one step of plain decoding.
@@ -25,7 +25,7 @@ where share is the fraction of the datastore's occurrences that continue with th
 (REST's frequency). `prompt=False` drafts from the datastore alone.
 
 An incremental index (n-gram -> positions that follow it) makes each proposal O(matches), not
-O(sequence length). Verification is unchanged, so decoding stays lossless (SPEC §3).
+O(sequence length). Verification is unchanged, so decoding stays lossless (docs/spec.md §3).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import Tensor
 from taps.config import TreeConfig
 from taps.propose.base import StepInfo
 from taps.propose.datastore import Datastore
-from taps.tree import DraftTree
+from taps.tree import DraftTree, TokenPaths
 from taps.verify import Acceptance
 
 
@@ -172,14 +172,7 @@ class LookupProposer:
 def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:
     """How many of `emitted` the tree holds as a path from its root, and whether it then offered
     children that the target's next token rejected."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if parent >= 0:
-            children.setdefault(parent, {})[token] = node
-    node, matched = 0, 0
-    for token in emitted:
-        nxt = children.get(node, {}).get(token)
-        if nxt is None:
-            return matched, node in children
-        node, matched = nxt, matched + 1
-    return matched, False
+    paths = TokenPaths(tree)
+    states = paths.follow(emitted)
+    matched = len(states) - 1
+    return matched, matched < len(emitted) and bool(paths.options(states[-1]))

@@ -1,8 +1,8 @@
 """MergedProposer: several drafters each draft a full tree; their merge is verified in one pass.
 
-SPEC §4 merged trees and §7 trie / budget merges, for any number of drafters. The merge itself is
-a pure function of the trees (taps.tree.merge_disjoint | merge_trie | merge_budget, bound to the
-tree budget by the factory), passed in as `merge`:
+docs/spec.md §4 merges (the paper's disjoint merge, and trie and budget merges), for any number
+of drafters. The merge itself is a pure function of the trees (taps.tree.merge_disjoint |
+merge_trie | merge_budget, bound to the tree budget by the factory), passed in as `merge`:
 - disjoint: every tree under one shared root, no cross-tree attention (the paper's merge);
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
 - budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from torch import Tensor
 
 from taps.propose.base import Proposer, ProposerGroup, StepInfo
-from taps.tree import DraftTree, merge_disjoint
+from taps.tree import DraftTree, TokenPaths, merge_disjoint
 from taps.verify import Acceptance
 
 
@@ -42,17 +42,11 @@ class MergeRecord:
 def accepted_path_sources(tree: DraftTree, tokens: list[int]) -> int:
     """Bitmask of the drafters that proposed the whole token path `tokens` (draft tokens below the
     root) in `tree`: OR over every node reached by that path (in a disjoint merge, one per tree)."""
-    if not tokens:
+    states = TokenPaths(tree).follow(tokens)
+    if len(states) <= len(tokens):  # the path leaves the tree
         return 0
-    kids, tree_tokens = tree.children(), tree.tokens.tolist()
-    state = [0]
-    for token in tokens:
-        state = [c for node in state for c in kids[node] if tree_tokens[c] == token]
-        if not state:
-            return 0
-    masks = tree.sources.tolist()
-    out = 0
-    for node in state:
+    masks, out = tree.sources.tolist(), 0
+    for node in states[-1]:
         out |= masks[node]
     return out
 

@@ -1,6 +1,6 @@
 """RoutedProposer: several drafters each draft a full tree; the best-scoring one is verified.
 
-SPEC §4, confidence routing (reference behaviour) and entropy routing, for any number of drafters:
+docs/spec.md §4, confidence routing (reference behaviour) and entropy routing, for any number of drafters:
 - every drafter drafts a full tree from the same context;
 - a routing signal scores each tree from its own nodes (mean confidence over the non-root nodes,
   higher wins; or mean draft entropy, lower wins); ties go to the first drafter;
@@ -21,7 +21,7 @@ DecodeResult.steps, so the log joins the decoder's step stats; `chosen` (the ver
 every step of the current turn) is read from it. A decision is `_decide(trees)`: the signal's
 best score here; the learned router (propose/bandit.BanditRouter, signal `bandit`) overrides it.
 Verification is untouched:
-whichever tree is verified, the output distribution is the target's (SPEC §3).
+whichever tree is verified, the output distribution is the target's (docs/spec.md §3).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from taps.drafter.context import HeadContext, consume
 from taps.drafter.expand import expand_tree
 from taps.drafter.head import EagleHead
 from taps.propose.base import StepInfo
-from taps.tree import DraftTree
+from taps.tree import DraftTree, TokenPaths
 from taps.verify import Acceptance
 
 
@@ -52,11 +52,6 @@ class SingleProposer:
 def path_nodes(tree: DraftTree, tokens: list[int]) -> Tensor:
     """[N] bool: the nodes on the path from the root that spells `tokens` (as far as it goes)."""
     on = torch.zeros(tree.size, dtype=torch.bool)
-    on[0] = True
-    kids, tree_tokens, node = tree.children(), tree.tokens.tolist(), 0
-    for token in tokens:
-        node = next((c for c in kids[node] if tree_tokens[c] == token), None)
-        if node is None:
-            break
-        on[node] = True
+    for state in TokenPaths(tree).follow(tokens):
+        on[state] = True
     return on

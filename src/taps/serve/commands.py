@@ -8,8 +8,7 @@ FastAPI app of taps.serve.app).
 from __future__ import annotations
 
 from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, settings_from,
-                           tree_shape)
-from taps.config import TreeConfig
+                           speculation_from)
 from taps.propose.commands import parse_named_drafter
 from taps.serve.launch import ServeSettings, serve
 
@@ -26,13 +25,13 @@ def register(sub) -> None:
                         "learned=route-bandit-turn:math,chat (learns across requests); the first is the default (default: the one drafter; several: route over all; none: "
                         "plain decoding)")
     add_settings(p, ServeSettings)
-    add_tree_arguments(p, auto=True)
+    add_tree_arguments(p)
     add_device_arguments(p)
     p.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
     serve(args.target, args.drafter or [], args.variant or [], settings_from(ServeSettings, args),
-          TreeConfig(*tree_shape(args)), auto_tree=args.tree == "auto", device=args.device, dtype=args.dtype,
+          speculation_from(args), device=args.device, dtype=args.dtype,
           announce=lambda line: print(line, flush=True))
     return 0

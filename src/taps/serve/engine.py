@@ -12,15 +12,14 @@ Variants. A request names one in `extra_body.taps.variant`, or gets the server's
     or `merge-trie:math,chat,lookup`, whose members are drafter names or `lookup`. A request can
     never name a directory: only the heads the server was started with are loaded.
 
-Streaming. The variant's proposer (for plain decoding, the core's PlainProposer) is wrapped in
-`_Tap`, a Proposer itself, which hands each step's accepted tokens to a callback when the decoder
-feeds them back (observe), and stops the decode between two steps when asked (a client gone, a
-stop string seen, shutdown): propose() raises `Cancelled`. The tokens of the last step, which the
-decoder does not feed back, come from its result.
+Streaming. The decode loop's per-step hook (decode.OnStep) hands each step's tokens to a
+callback as soon as the target accepts them (the prefill's first token too), and stops the decode
+between two steps when asked (a client gone, a stop string seen, shutdown): the decoder then ends
+with stop_reason "cancelled". The proposer is the variant's own, untouched.
 
-Routing. A routed variant's decisions (RoutedProposer.decisions: one per step, or one per turn)
-come back in Outcome.decisions and are logged, one JSON line per decision, on the logger
-`taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
+Routing. A routed variant's decisions (the steps whose record, StepStats.info, holds routing
+scores: every step, or a turn's first) come back in Outcome.decisions and are logged, one JSON
+line per decision, on the logger `taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
 learns across requests: the HeadPool keeps its state (propose/bandit.BanditState) per variant,
 every request's proposer reads and updates it, and `learned()` reports it for /metrics.
 """
@@ -33,15 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-from taps.decode import chat_ids, generate
-from taps.profile import auto_tree_policy
-from taps.propose.base import Proposer, StepInfo
+from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
+from taps.decode import StepStats, chat_ids, generate, reply_text
+from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
 from taps.target import Target
-from taps.tree import DraftTree
-from taps.verify import Acceptance
 
 PLAIN_NAMES = ("baseline", "plain")
 ROUTING_LOG = logging.getLogger("taps.serve.routing")
@@ -49,10 +45,6 @@ ROUTING_LOG = logging.getLogger("taps.serve.routing")
 
 class VariantError(ValueError):
     """A variant the server cannot serve (unknown name, bad spec, a member that is not a served head)."""
-
-
-class Cancelled(Exception):
-    """Raised inside the decode loop (between two steps) when its request no longer wants tokens."""
 
 
 @dataclass(frozen=True)
@@ -99,14 +91,7 @@ class Outcome:
         return len(self.tokens) / self.verifier_calls if self.verifier_calls else 0.0
 
 
-@dataclass
-class _Step:
-    accepted: int
-    source: int
-    info: StepInfo = field(default_factory=StepInfo)
-
-
-def _step_head(step, names: Sequence[str]) -> str | None:
+def _step_head(step: StepStats, names: Sequence[str]) -> str | None:
     """The head a step belongs to: the routed one if the proposer routed, else the drafter of the
     deepest accepted node (None when no draft token was accepted)."""
     index = step.info.route_chosen
@@ -115,58 +100,16 @@ def _step_head(step, names: Sequence[str]) -> str | None:
     return names[index] if 0 <= index < len(names) else None
 
 
-class _Tap:
-    """A Proposer around the variant's own, passing accepted tokens on and stoppable."""
-
-    def __init__(self, inner: Proposer, on_tokens: Callable[[list[int]], None], cancelled: Callable[[], bool]):
-        self.inner, self.on_tokens, self.cancelled = inner, on_tokens, cancelled
-        self.delivered: list[int] = []
-        self.steps: list[_Step] = []
-        self._info = StepInfo()
-
-    def _emit(self, tokens: list[int]) -> None:
-        self.delivered += tokens
-        self.on_tokens(list(tokens))
-
-    def start(self, features, tokens) -> None:
-        self.inner.start(features, tokens)
-        self._emit([int(tokens[-1])])  # the pending token: the target's first new token
-
-    def propose(self) -> DraftTree:
-        if self.cancelled():
-            raise Cancelled()
-        tree = self.inner.propose()
-        self._info = self.inner.step_info()
-        return tree
-
-    def step_info(self) -> StepInfo:
-        return self._info
-
-    def observe(self, tree: DraftTree, acceptance: Acceptance, features) -> None:
-        deepest = int(acceptance.nodes[-1])
-        source = tree.credited(deepest) if acceptance.accepted > 0 else -1
-        self.steps.append(_Step(acceptance.accepted, source, self._info))
-        self.inner.observe(tree, acceptance, features)
-        self._emit(acceptance.new_tokens)
-
-    def finish(self, tokens: list[int]) -> None:
-        """The tokens of the last step (not fed back by the decoder)."""
-        if tokens[:len(self.delivered)] != self.delivered:
-            raise RuntimeError("streamed tokens differ from the decoder's result")  # a bug, never a user's error
-        if len(tokens) > len(self.delivered):
-            self._emit(tokens[len(self.delivered):])
-
-
 class Engine:
     """One target, its heads (loaded once) and the variants it serves; decodes one request at a time
     (the caller serialises: taps.serve.app holds one lock per engine)."""
 
     def __init__(self, target, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-                 tree: TreeConfig = TreeConfig(), auto_tree: bool = False, model_id: str | None = None,
+                 speculation: SpeculationConfig = SpeculationConfig(), model_id: str | None = None,
                  attn_implementation: str = "sdpa"):
         if target.tokenizer is None:
             raise ValueError("the target has no tokenizer; taps serve needs one to read prompts and write text")
-        self.target, self.tree = target, tree
+        self.target, self.speculation, self.tree = target, speculation, speculation.tree
         self.model_id = model_id or getattr(target, "name", None) or "taps-target"
         names = [n for n, _ in drafters]
         if len(set(names)) != len(names):
@@ -194,18 +137,16 @@ class Engine:
         elif default is None:
             default = self.named[names[0] if names else "baseline"]
         self.default = default
-        self.policy = None
-        if auto_tree:
-            self.policy = auto_tree_policy(target, {n: self.pool.head(p) for n, p in drafters}, tree)
+        self.policy = tree_policy(target, (self.pool.head(p) for _, p in drafters), speculation)
         for variant in {id(v): v for v in self.named.values()}.values():  # averages are computed once, now
-            self.pool.proposer(variant.spec, tree, self.policy)
+            self.pool.proposer(variant.spec, self.tree, self.policy)
 
     @classmethod
     def load(cls, target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-             tree: TreeConfig = TreeConfig(), auto_tree: bool = False, device: str = "auto", dtype: str = "auto",
+             speculation: SpeculationConfig = SpeculationConfig(), device: str = "auto", dtype: str = "auto",
              attn_implementation: str = "sdpa", model_id: str | None = None) -> "Engine":
         loaded = Target.load(target, device=device, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(loaded, drafters, variants, tree, auto_tree, model_id, attn_implementation)
+        return cls(loaded, drafters, variants, speculation, model_id, attn_implementation)
 
     # ---- facts -----------------------------------------------------------------------------
     @property
@@ -218,7 +159,7 @@ class Engine:
 
     def describe(self) -> dict:
         return {"drafters": list(self.drafters), "variants": sorted(self.named), "default_variant": self.default.label,
-                "context_window": self.context_window, "tree": {**asdict(self.tree), "auto": self.policy is not None}}
+                "context_window": self.context_window, "tree": {**asdict(self.tree), "auto": self.speculation.auto}}
 
     # ---- variants ----------------------------------------------------------------------------
     def _bind(self, label: str, spec_text: str, where: str) -> Variant:
@@ -267,32 +208,30 @@ class Engine:
 
     def detokenize(self, tokens: list[int]) -> str:
         """As `taps generate` prints them: stop tokens and special tokens left out."""
-        stop = set(self.stop)
-        return self.target.tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
+        return reply_text(self.target.tokenizer, tokens, self.stop)
 
     # ---- decoding ----------------------------------------------------------------------------
     def decode(self, prompt: list[int], variant: Variant, sampling: Sampling,
                on_tokens: Callable[[list[int]], None] = lambda tokens: None,
                cancelled: Callable[[], bool] = lambda: False) -> Outcome:
         """Decode one continuation (blocking); `on_tokens` gets each step's tokens as soon as they are
-        accepted, and `cancelled` is polled between steps."""
-        tap = _Tap(self.pool.proposer(variant.spec, self.tree, self.policy), on_tokens, cancelled)
+        accepted, and `cancelled` is polled after each (a true answer ends the decode there)."""
         cfg = DecodeConfig(max_new_tokens=sampling.max_tokens, stop_token_ids=self.stop, seed=sampling.seed,
                            sampling=SamplingConfig(sampling.temperature, sampling.top_p))
-        names = variant.members
+
+        def on_step(tokens: list[int], step: StepStats | None) -> bool:
+            on_tokens(list(tokens))
+            return cancelled()
+
         start = time.perf_counter()
-        try:
-            result = generate(self.target, tap, prompt, cfg)
-        except Cancelled:
-            outcome = Outcome(tap.delivered, len(prompt), "cancelled", 1 + len(tap.steps),
-                              [s.accepted for s in tap.steps], [_step_head(s, names) for s in tap.steps],
-                              time.perf_counter() - start)
-        else:
-            tap.finish(result.tokens)
-            outcome = Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
-                              [s.accepted for s in result.steps], [_step_head(s, names) for s in result.steps],
-                              time.perf_counter() - start)
-        outcome.decisions = [decision_record(variant, d) for d in getattr(tap.inner, "decisions", [])]
+        result = generate(self.target, self.pool.proposer(variant.spec, self.tree, self.policy), prompt, cfg,
+                          on_step=on_step)
+        steps, names = result.steps, variant.members
+        outcome = Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
+                          [s.accepted for s in steps], [_step_head(s, names) for s in steps],
+                          time.perf_counter() - start)
+        outcome.decisions = [decision_record(variant, i, s) for i, s in enumerate(steps)
+                             if s.info.route_scores is not None]
         for record in outcome.decisions:
             ROUTING_LOG.info(json.dumps(record))
         return outcome
@@ -305,13 +244,14 @@ class Engine:
                 for row in state.summary()]
 
 
-def decision_record(variant: Variant, decision) -> dict:
-    """One routing decision (propose/routed.RouteDecision) as the log line and Outcome hold it."""
-    names = variant.members
-    record = {"variant": variant.label, "signal": decision.signal, "step": decision.step,
-              "head": names[decision.chosen], "scores": [round(x, 6) for x in decision.scores]}
-    if decision.prior is not None:
-        record.update(prior=[round(x, 6) for x in decision.prior], context=names[decision.context])
+def decision_record(variant: Variant, index: int, step: StepStats) -> dict:
+    """The routing decision of step `index` (its record holds the scores: propose/routed.RouteDecision.info)
+    as the log line and Outcome hold it."""
+    names, info = variant.members, step.info
+    record = {"variant": variant.label, "signal": variant.spec.signal, "step": index,
+              "head": names[info.route_chosen], "scores": [round(x, 6) for x in info.route_scores]}
+    if info.route_prior is not None:
+        record.update(prior=[round(x, 6) for x in info.route_prior], context=names[info.route_context])
     return record
 
 

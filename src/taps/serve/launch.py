@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from taps.config import TreeConfig, setting
+from taps.config import SpeculationConfig, setting
 from taps.serve.engine import Engine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -42,7 +42,7 @@ class ServeSettings:
 
 
 def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-          settings: ServeSettings = ServeSettings(), tree: TreeConfig = TreeConfig(), auto_tree: bool = False,
+          settings: ServeSettings = ServeSettings(), speculation: SpeculationConfig = SpeculationConfig(),
           device: str = "auto", dtype: str = "auto", announce: Callable[[str], None] = print) -> None:
     """Load the target and its heads, then serve them until SIGTERM / SIGINT (`announce` gets the
     line that says where)."""
@@ -52,7 +52,7 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
         raise ValueError(f"taps serve needs the serve extra ({err}); install it with pip install 'taps[serve]'") from None
     limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens)
-    engine = Engine.load(target, drafters, variants, tree, auto_tree=auto_tree, device=device, dtype=dtype,
+    engine = Engine.load(target, drafters, variants, speculation, device=device, dtype=dtype,
                          attn_implementation=settings.attn, model_id=settings.served_model_name)
     log = logging.getLogger("taps.serve")  # the routing decisions (engine.ROUTING_LOG), at --log-level
     if not log.handlers:

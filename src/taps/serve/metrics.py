@@ -3,7 +3,7 @@
 Per variant: requests (by endpoint and finish reason), prompt and completion tokens, accepted draft
 tokens, verifier calls, decode seconds and tokens/s, the acceptance length of each response (a
 histogram), the accepted length of each step (a histogram) and, per draft position d, the steps
-that accepted at least d draft tokens, so alpha_d = position{d} / position{d-1} (SPEC §5, with
+that accepted at least d draft tokens, so alpha_d = position{d} / position{d-1} (docs/spec.md §5, with
 position{0} = steps); for compositions, steps per head; for routed variants, decisions per head;
 for route-bandit variants, what they learned (per context and head: rewarded pulls and mean tokens
 per verifier call, read from the engine when /metrics is asked). Server-wide: rejected requests by status,

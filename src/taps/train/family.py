@@ -7,11 +7,11 @@ and four training sets, in the paper's proportions at any scale (N records per d
     mixed-small  N/2 chat + N/2 math   (the paper's 35k + 35k)
     mixed-large  N chat + N math       (the paper's 70k + 70k)
 
-With `regenerate`, the target first answers every prompt itself (batched; SPEC §1 calls this the
-known improvement over the data set's own responses), and the answers are put back in the drawn
-order, so a prefix of a domain is still a random draw. Features are computed once per domain; the
-mixtures reuse prefixes of them (a smaller draw is a prefix of a larger one). Every stage is resumable: rerunning the command skips finished data,
-features and drafters and resumes an interrupted training from its last checkpoint.
+With `regenerate`, the target first answers every prompt itself (batched; docs/spec.md §1: the
+head then learns the target's own distribution rather than the data set's responses), and the
+answers are put back in the drawn order, so a prefix of a domain is still a random draw. Features
+are computed once per domain; the mixtures reuse prefixes of them (a smaller draw is a prefix of a
+larger one). Every stage is resumable: rerunning the command skips finished data, features and drafters and resumes an interrupted training from its last checkpoint.
 """
 
 from __future__ import annotations

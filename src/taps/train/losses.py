@@ -1,4 +1,4 @@
-"""EAGLE-2 and HASS training objectives for the EAGLE head (SPEC §1), on teacher-forced batches.
+"""EAGLE-2 and HASS training objectives for the EAGLE head (docs/spec.md §6), on teacher-forced batches.
 
 Alignment. For one sequence of T tokens (positions 0..T-1, of which the first `length` are real):
 
@@ -242,7 +242,7 @@ class LossOutput:
 
 # ---- shared pieces ---------------------------------------------------------------------------
 def _require_frozen_shared(head: DraftHead) -> None:
-    """The embedding and LM head are the target's, shared and frozen (SPEC §1). If they required
+    """The embedding and LM head are the target's, shared and frozen (docs/spec.md §1). If they required
     grad, every step would compute (and an optimizer might apply) a vocabulary-sized gradient."""
     embed, lm_head = head.shared
     if any(p.requires_grad for m in (embed, lm_head) for p in m.parameters()):
@@ -375,7 +375,7 @@ def _weighted(step: StepLoss, cfg: LossConfig, index: int = 0) -> Tensor:  # []
 # ---- EAGLE-2 ---------------------------------------------------------------------------------
 def eagle2_loss(head: DraftHead, batch: TrainBatch, cfg: Eagle2Config = Eagle2Config(),
                 generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
-    """One causal forward of the head over the noised true features (SPEC §1, EAGLE-2).
+    """One causal forward of the head over the noised true features (docs/spec.md §6, EAGLE-2).
     noise: optional precomputed U[-1/2, 1/2) draws [B, T-1, H] (see add_uniform_noise)."""
     _require_frozen_shared(head)
     pairs = head_pairs(batch)
@@ -438,7 +438,7 @@ def aligned_outputs(head: DraftHead, tokens: Tensor, features: Tensor, positions
 def hass_loss(head: DraftHead, batch: TrainBatch, cfg: HassConfig = HassConfig(),
               generator: torch.Generator | None = None, noise: Tensor | None = None) -> LossOutput:
     """EAGLE-2 terms + top-K distillation at each harmonized context alignment step, added
-    (SPEC §1, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step.
+    (docs/spec.md §6, HASS). Step j counts positions t >= j-1 only: the others repeat a lower step.
     noise: optional precomputed U[-1/2, 1/2) draws [B, T-1, H] (see add_uniform_noise)."""
     _require_frozen_shared(head)
     pairs = head_pairs(batch)

@@ -9,7 +9,7 @@ B/N reproduce one process with batch B up to float summation order.
 
 Determinism and resume: the epoch order, the batches and the noise are pure functions of the
 seed and the global step, so a run resumed from any checkpoint ends at the same weights as an
-uninterrupted one. A checkpoint holds the head in the DESIGN.md layout, the optimizer and the
+uninterrupted one. A checkpoint holds the head in the EAGLE layout (docs/spec.md §7), the optimizer and the
 RNG (train/state.py); one is written at the end of every epoch (and every --checkpoint-steps).
 
 Draft vocabulary (--draft-vocab N): the head drafts over the N most frequent loss tokens of the
