@@ -108,3 +108,9 @@ def test_speed_change_is_reported(target, tmp_path, caplog):
         again = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)
     assert again["speed_check"]["changed"] and again["measured_at"] == first["measured_at"]
     assert any("taps profile --measure" in r.getMessage() for r in caplog.records)
+    import torch
+
+    target.prefill(torch.tensor([1, 2, 3]))  # a Target in use is not re-timed (that would reset it)
+    assert profile(target, None, None, repeats=1, prefix=8, root=tmp_path)["speed_check"]["changed"] is None
+    assert target.length == 3
+    target.reset()

@@ -4,8 +4,8 @@ point (`AttentionInterface`), so the model's modules and weights stay the librar
 Why: handing the library a dense additive mask [1, 1, N, prefix + N] made every layer's SDPA
 take its masked path, which on a CPU copies the grouped keys and values out to every query head
 (`repeat_kv`, O(context) per layer per step) and runs the flash kernel with a mask; at 1,500
-tokens of context a 16-node tree forward cost twice a one-token forward, and SDPA's CPU kernel is
-slow even for one unmasked query in bf16 (measured with `taps profile --contexts`). Here the
+tokens of context a 16-node tree forward cost twice a one-token forward (the split is printed by
+`taps profile`; docs/long-context.md has what was measured). Here the
 committed prefix needs no mask at all (every tree node sees all of it), only the N x N tree block
 does, so a tree forward is two small matmuls per layer over the keys as the cache holds them:
 
@@ -85,7 +85,7 @@ def _base_function(module, base: str):
     return eager
 
 
-def tree_attention(module, query: Tensor, key: Tensor, value: Tensor, tree: TreeBlock, scaling: float,
+def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree: TreeBlock, scaling: float,
                    window: int | None) -> Tensor:
     """Attention of the N tree queries over the committed prefix (unmasked) and the tree block
     (ancestor mask), eager's numerics. query [1, H, N, D], key / value [1, Hkv, prefix + N, D]
@@ -105,7 +105,7 @@ def tree_attention(module, query: Tensor, key: Tensor, value: Tensor, tree: Tree
         k_pos = torch.arange(start, prefix, device=query.device)  # [prefix - start]
         band = (q_pos[:, None] - k_pos[None, :]) < window  # [N, prefix - start]
         visible = visible & ((depth[:, None] - depth[None, :]) < window)
-    q = query.reshape(1, kv_heads, groups * n, dim)  # head h = kv head h // groups: a view
+    q = query.reshape(1, kv_heads, groups * n, dim)  # head h = kv head h // groups (copies N rows, not keys)
     k = key[:, :, start:]  # [1, Hkv, K, D], K = prefix - start + N
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, Hkv, groups * N, K]
     scores = scores.view(1, kv_heads, groups, n, k.shape[2])
@@ -165,7 +165,7 @@ def _make(base: str):
         why = _unsupported(module, query, key, kwargs)
         if why is None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return tree_attention(module, query, key, value, tree, scale, window), None
+            return tree_attention(query, key, value, tree, scale, window), None
         _note_once(f"tree attention: {why}; verifying with the library's {base} attention and a dense "
                    f"[N, prefix + N] mask instead (exact, slower on long contexts)")
         mask = tree.dense_mask(window, query.dtype).to(query.device)

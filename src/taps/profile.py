@@ -187,8 +187,11 @@ def speed_changed(now_ms: float, profiled_ms: float, tolerance: float = SPEED_TO
 
 def check_speed(target: Target, cached: dict, path: Path) -> dict:
     """Re-time a one-token forward (3 rounds, at the profile's context) against the cached
-    profile's; log a warning to re-measure when it is more than SPEED_TOLERANCE off."""
+    profile's; log a warning to re-measure when it is more than SPEED_TOLERANCE off. Only at
+    start-up: a Target that already holds a context is left alone (timing would reset it)."""
     profiled = float(cached["target_forward_ms"]["1"])
+    if target.length:
+        return {"profiled_ms": profiled, "changed": None}
     now_ms = time_target(target, sizes=(1,), prefix=int(cached.get("prefix_tokens", 200)), repeats=3)[1]
     changed = speed_changed(now_ms, profiled)
     if changed:
