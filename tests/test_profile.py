@@ -36,6 +36,8 @@ def test_cli_profile_and_bad_options(target_dir, tmp_path, monkeypatch, capsys):
     assert main(["profile", "--target", str(target_dir), "--device", "cpu", "--repeats", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| tree tokens | target forward ms |" in out and str(tmp_path) in out
+    assert "| committed context | one-token forward ms | 16-node tree ms | ratio |" in out
+    assert "16-node tree forward, tree attention: where the time goes" in out and "| cache append |" in out
     assert main(["profile", "--target", str(target_dir), "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
 
@@ -58,3 +60,57 @@ def test_cli_profile_of_a_drafter_is_the_one_tree_auto_reads(target, target_dir,
     before = json.loads(open(written).read())["measured_at"]
     tree_policy(target, [bound], SpeculationConfig(TreeConfig(16, 4, 4), "auto"))  # reads it, measures nothing
     assert json.loads(open(written).read())["measured_at"] == before
+
+
+def test_profile_times_contexts_and_splits_a_verify_step(target, tmp_path):
+    result = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)
+    # the tiny target holds 512 positions: only 128 leaves room for a 64-node tree
+    assert list(result["verify_ms_by_context"]) == ["128"]
+    assert set(result["verify_ms_by_context"]["128"]) >= {"1", "16", "64"}
+    assert set(result["verify_split"]) == {"tree attention", "dense mask"}
+    for path in result["verify_split"].values():
+        parts = path["128"]
+        assert parts["total"] > 0 and parts["attention"] > 0 and parts["cache append"] > 0 and parts["mask"] > 0
+        assert parts["other"] == pytest.approx(parts["total"] - parts["mask"] - parts["attention"]
+                                               - parts["cache append"], abs=2e-3)
+    assert target.tree_attention and target.length == 0  # the comparison left the Target as it was
+
+
+def test_split_hooks_see_every_layer_and_leave_nothing_behind(target):
+    import torch
+
+    from taps import attention, kv
+    from taps.tree import DraftTree
+
+    target.reset()
+    target.prefill(torch.tensor([1, 2, 3]))
+    layers = target.config.num_hidden_layers
+    with attention.timed() as attend, kv.timed_updates(target.cache, target.device) as append:
+        target.forward_tree(DraftTree.root_only(4))
+    assert len(attend) == layers and len(append) == layers
+    assert "update" not in vars(target.cache)  # the method is the class's again
+    target.commit(torch.tensor([0]))
+    target.prefill(torch.tensor([5]))
+    assert len(attend) == layers and len(append) == layers  # nothing recorded outside the block
+    target.reset()
+
+
+def test_speed_change_is_reported(target, tmp_path, caplog):
+    from taps.profile import speed_changed
+
+    assert speed_changed(now_ms=140.0, profiled_ms=100.0) and speed_changed(now_ms=60.0, profiled_ms=100.0)
+    assert not speed_changed(now_ms=125.0, profiled_ms=100.0) and not speed_changed(now_ms=75.0, profiled_ms=100.0)
+    first = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)
+    saved = json.loads(open(first["path"]).read())
+    saved["target_forward_ms"]["1"] = 1e6  # a machine a million times slower measured it
+    open(first["path"], "w").write(json.dumps(saved))
+    with caplog.at_level("WARNING", logger="taps.profile"):
+        again = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)
+    assert again["speed_check"]["changed"] and again["measured_at"] == first["measured_at"]
+    assert any("taps profile --measure" in r.getMessage() for r in caplog.records)
+    import torch
+
+    target.prefill(torch.tensor([1, 2, 3]))  # a Target in use is not re-timed (that would reset it)
+    assert profile(target, None, None, repeats=1, prefix=8, root=tmp_path)["speed_check"]["changed"] is None
+    assert target.length == 3
+    target.reset()

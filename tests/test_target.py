@@ -130,14 +130,15 @@ def test_load_errors(tmp_path, target_dir):
         Target.load(target_dir, device="cpu", dtype="int3")
 
 
-def test_auto_dtype_is_bf16_on_gpus_and_amx_cpus(monkeypatch):
-    import taps.target as target_module
+def test_auto_dtype_on_a_cpu_is_the_measured_choice(monkeypatch, tmp_path):
+    import taps.machine as machine
     from taps.target import resolve_dtype
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(target_module, "cpu_has_bf16_matmul", lambda: True)
-    assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(target_module, "cpu_has_bf16_matmul", lambda: False)
-    assert resolve_dtype("auto", cpu) == torch.float32
-    assert resolve_dtype("float32", cpu) == torch.float32  # an explicit dtype is never overridden
-    assert resolve_dtype("bf16", cpu) == torch.bfloat16
+    asked = []
+    monkeypatch.setattr(machine, "cpu_dtype", lambda *args: asked.append(args) or torch.bfloat16)
+    assert resolve_dtype("auto", cpu, (tmp_path, "t", False)) == torch.bfloat16  # what the measurement chose
+    assert asked == [(tmp_path, "t", False)]
+    assert resolve_dtype("auto", cpu) == torch.float32  # nothing to measure
+    assert resolve_dtype("float32", cpu, (tmp_path, "t", False)) == torch.float32  # an explicit dtype is never overridden
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16 and len(asked) == 1

@@ -124,7 +124,7 @@ def _add_drafter(sub) -> None:
     table.add_argument("--jobs", type=positive_int, default=1, help="measure this many drafters at once, in separate "
                                                           "processes (on a CPU: one per core); the same rows")
     table.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="the target's and heads' dtype (bf16: the fast path on AMX CPUs and GPUs)")
+                       help="the target's and heads' dtype (bf16: the fast path on GPUs and most recent CPUs)")
     table.set_defaults(func=_drafter_table)
 
 

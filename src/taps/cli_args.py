@@ -69,7 +69,9 @@ def comma_list(text: str) -> list[str]:
 
 def add_device_arguments(p) -> None:
     p.add_argument("--device", type=device_arg, default="auto", help="auto | cpu | cuda | cuda:N (under accelerate: this process's)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bf16 on GPUs and on CPUs with AMX, else fp32 (exact greedy identity needs float32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: bf16 on GPUs; on a CPU the faster of bf16 and float32 for a verify step, measured "
+                        "once and cached (exact greedy identity needs float32)")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -7,9 +7,14 @@ transformers cache API touches these two files only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+
+from taps.stopwatch import now
 
 
 def new_cache() -> DynamicCache:
@@ -49,3 +54,23 @@ def keep_rows(cache: DynamicCache, start: int, rows: Tensor) -> None:
             layer.keys[:, :, start : start + m] = layer.keys.index_select(2, index)
             layer.values[:, :, start : start + m] = layer.values.index_select(2, index)
     truncate(cache, start + m)
+
+
+@contextmanager
+def timed_updates(cache: DynamicCache, device: torch.device) -> Iterator[list[float]]:
+    """Profiling only (`taps profile`'s split of a verify step): collects the seconds of every
+    row append (the cache's `update`, one per layer per forward) made inside the block."""
+    spent: list[float] = []
+    update = cache.update
+
+    def timed(*args, **kwargs):
+        start = now(device)
+        out = update(*args, **kwargs)
+        spent.append(now(device) - start)
+        return out
+
+    cache.update = timed  # an instance attribute, shadowing the method until the block ends
+    try:
+        yield spent
+    finally:
+        del cache.update

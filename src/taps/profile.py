@@ -6,6 +6,12 @@ depends on the machine: on a GPU verifying 60 tokens costs about one token's for
 several (SmolLM2-135M, bf16, one thread: 58 ms for 1 token, 103 ms for 64). Cost-aware trees
 and the benchmarks read these numbers instead of assuming them.
 
+The verify cost also depends on how much context is committed (every tree node attends to all of
+it), so the profile times tree forwards at several context lengths too (`verify_ms_by_context`:
+128 to 2,048 tokens, what `--tree auto` reads for the step at hand), and splits a 16-node tree
+forward into mask building, attention, cache append and everything else (`verify_split`), for
+the tree attention the Target uses (taps.attention) and for the dense-mask path it replaced.
+
 A profile is a small JSON file cached under `$TAPS_CACHE_DIR/profiles`, keyed by the machine
 (CPU or GPU model, cores, torch version), the target, the dtype and the thread count (and the
 drafter's weights when one is profiled); `measure=True` replaces it. Every figure is the median
@@ -16,8 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
+import logging
 import statistics
 import time
 from collections.abc import Iterable
@@ -25,33 +30,28 @@ from pathlib import Path
 
 import torch
 
-from taps import kv
+from taps import attention, kv
 from taps.config import SpeculationConfig
 from taps.drafter.auto_tree import AutoTree, StepCosts
 from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
 from taps.drafter.head import DraftHead
 from taps.jsonl import read_json, write_json_atomic
+from taps.machine import machine
 from taps.stopwatch import now
 from taps.target import Target
 from taps.target_source import cache_root
 from taps.tree import DraftTree, additive_mask
 
+log = logging.getLogger(__name__)
+
 TREE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 BEAM_SIZES = (1, 2, 4, 6, 8, 10, 16)
-FORMAT_VERSION = 1
-
-
-def machine() -> dict:
-    """What makes timings comparable: processor, cores, torch build, accelerator."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "gpu": gpu}
+CONTEXTS = (128, 512, 1024, 2048)  # committed tokens at which verify costs are also measured
+CONTEXT_SIZES = (1, 4, 8, 16, 24, 32, 48, 64)  # tree sizes timed at each of those contexts
+SPLIT_NODES = 16  # the tree size whose forward is split into its parts
+FORMAT_VERSION = 2
+SPEED_TOLERANCE = 0.30  # a one-token forward this much off the profile's means: measure again
 
 
 def _random_tree(n: int, root: int, vocab: int, gen: torch.Generator, device) -> DraftTree:
@@ -86,6 +86,63 @@ def time_target(target: Target, sizes=TREE_SIZES, prefix: int = 200, repeats: in
                 times[n].append((t1 - t0) * 1e3)
     target.reset()
     return {n: statistics.median(v) for n, v in times.items()}
+
+
+def usable_contexts(target: Target, contexts=CONTEXTS, sizes=CONTEXT_SIZES) -> tuple[int, ...]:
+    """The contexts that leave room for the largest tree in the target's context window."""
+    return tuple(c for c in contexts if c + max(sizes) <= target.context_window)
+
+
+def time_contexts(target: Target, contexts=CONTEXTS, sizes=CONTEXT_SIZES, repeats: int = 5,
+                  seed: int = 0) -> dict[int, dict[int, float]]:
+    """Median ms of one tree forward of n nodes after c committed tokens, for each c and n."""
+    return {c: time_target(target, sizes, prefix=c, repeats=repeats, seed=seed)
+            for c in usable_contexts(target, contexts, sizes)}
+
+
+SPLIT_PARTS = ("mask", "attention", "cache append", "other")
+
+
+def verify_split(target: Target, context: int, nodes: int = SPLIT_NODES, repeats: int = 5,
+                 seed: int = 0) -> dict[str, float]:
+    """Median ms of one `nodes`-node tree forward after `context` committed tokens ("total"), and
+    its parts: building the mask (Target.tree_inputs), attention (every layer's attention call),
+    appending the new rows to the cache (every layer's cache update), and everything else
+    (projections, MLPs, norms, the LM head, Python): the total less the other three."""
+    gen = torch.Generator().manual_seed(seed)
+    _prefixed(target, context, gen)
+    tree = _random_tree(nodes, 1, target.vocab_size, gen, target.device)
+    rows: list[dict[str, float]] = []
+    for round_ in range(repeats + 1):  # round 0 warms up
+        t0 = now(target.device)
+        target.tree_inputs(tree, context)
+        t1 = now(target.device)
+        with attention.timed() as attend, kv.timed_updates(target.cache, target.device) as append:
+            target.forward_tree(tree)
+            t2 = now(target.device)
+        target.commit(torch.zeros(1, dtype=torch.long, device=target.device))
+        target.truncate(context)
+        if round_:
+            total, mask = (t2 - t1) * 1e3, (t1 - t0) * 1e3
+            att, app = sum(attend) * 1e3, sum(append) * 1e3
+            rows.append({"total": total, "mask": mask, "attention": att, "cache append": app,
+                         "other": total - mask - att - app})
+    target.reset()
+    return {part: round(statistics.median(r[part] for r in rows), 3) for part in ("total", *SPLIT_PARTS)}
+
+
+def split_by_path(target: Target, contexts, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:
+    """verify_split at each context, for the tree attention and (for comparison) the dense mask."""
+    paths = {"tree attention": True, "dense mask": False} if target.tree_attention else {"dense mask": False}
+    using = target.tree_attention
+    try:
+        out = {}
+        for name, on in paths.items():
+            target.tree_attention = on
+            out[name] = {str(c): verify_split(target, c, repeats=repeats) for c in contexts}
+        return out
+    finally:
+        target.tree_attention = using
 
 
 @torch.inference_mode()
@@ -124,6 +181,28 @@ def profile_path(target_name: str, dtype: str, threads: int, drafter_digest: str
     return (root or cache_root() / "profiles") / f"{safe}-{dtype}-t{threads}-{digest}.json"
 
 
+def speed_changed(now_ms: float, profiled_ms: float, tolerance: float = SPEED_TOLERANCE) -> bool:
+    """Whether a forward that takes now_ms here, profiled at profiled_ms, says the machine's
+    speed is no longer the profile's (another load on it, a changed clock or thread count)."""
+    return abs(now_ms / profiled_ms - 1.0) > tolerance
+
+
+def check_speed(target: Target, cached: dict, path: Path) -> dict:
+    """Re-time a one-token forward (3 rounds, at the profile's context) against the cached
+    profile's; log a warning to re-measure when it is more than SPEED_TOLERANCE off. Only at
+    start-up: a Target that already holds a context is left alone (timing would reset it)."""
+    profiled = float(cached["target_forward_ms"]["1"])
+    if target.length:
+        return {"profiled_ms": profiled, "changed": None}
+    now_ms = time_target(target, sizes=(1,), prefix=int(cached.get("prefix_tokens", 200)), repeats=3)[1]
+    changed = speed_changed(now_ms, profiled)
+    if changed:
+        log.warning(f"taps profile: a one-token forward takes {now_ms:.1f} ms now against {profiled:.1f} ms when "
+                    f"{path} was measured ({cached.get('measured_at', '?')}): this machine's speed has changed, so "
+                    f"--tree auto sizes trees from stale costs; measure again with `taps profile --measure`")
+    return {"one_token_ms": round(now_ms, 3), "profiled_ms": profiled, "changed": changed}
+
+
 def profile(target: Target, head=None, drafter_digest: str | None = None, measure: bool = False,
             repeats: int = 5, prefix: int = 200, root: Path | None = None) -> dict:
     """The cached profile for this machine, target, dtype and threads (measured if missing or
@@ -134,12 +213,15 @@ def profile(target: Target, head=None, drafter_digest: str | None = None, measur
     if path.is_file() and not measure:
         cached = read_json(path, "a cached profile of this machine (taps profile --measure replaces it)")
         if cached.get("format_version") == FORMAT_VERSION and (head is None or "draft_level_ms" in cached):
-            return {**cached, "path": str(path)}
+            return {**cached, "path": str(path), "speed_check": check_speed(target, cached, path)}
     result = {"format_version": FORMAT_VERSION, "machine": machine(), "target": target.name, "dtype": dtype,
               "threads": threads, "device": str(target.device), "prefix_tokens": prefix, "repeats": repeats,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "target_forward_ms": {str(n): round(ms, 3) for n, ms in time_target(target, prefix=prefix,
                                                                                    repeats=repeats).items()}}
+    by_context = time_contexts(target, repeats=repeats)
+    result["verify_ms_by_context"] = {str(c): {str(n): round(ms, 3) for n, ms in t.items()} for c, t in by_context.items()}
+    result["verify_split"] = split_by_path(target, list(by_context), repeats=repeats)
     if head is not None:
         result["drafter"] = drafter_digest
         result["draft_level_ms"] = {str(k): round(ms, 3) for k, ms in time_draft_level(head, target, prefix=prefix,
@@ -169,10 +251,30 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
              f"profile: {result['path']}", "| tree tokens | target forward ms | x one token |",
              "| ---: | ---: | ---: |"]
     lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in result["target_forward_ms"].items()]
+    lines += context_tables(result)
     if "draft_level_ms" in result:
         lines += ["", "| beams | draft level ms |", "| ---: | ---: |"]
         lines += [f"| {k} | {ms:.2f} |" for k, ms in result["draft_level_ms"].items()]
     return "\n".join(lines)
+
+
+def context_tables(result: dict) -> list[str]:
+    """The verify cost by committed context (one token, SPLIT_NODES nodes, their ratio) and the
+    split of a SPLIT_NODES-node forward, per attention path, as Markdown lines."""
+    by_context = result.get("verify_ms_by_context") or {}
+    if not by_context:
+        return []
+    n = str(SPLIT_NODES)
+    lines = ["", f"| committed context | one-token forward ms | {n}-node tree ms | ratio |", "| ---: | ---: | ---: | ---: |"]
+    for c, t in by_context.items():
+        lines.append(f"| {c} | {t['1']:.1f} | {t[n]:.1f} | {t[n] / t['1']:.2f}x |")
+    for path, splits in (result.get("verify_split") or {}).items():
+        lines += ["", f"{n}-node tree forward, {path}: where the time goes (ms)", "",
+                  "| committed context | total | " + " | ".join(SPLIT_PARTS) + " |",
+                  "| ---: " * (len(SPLIT_PARTS) + 2) + "|"]
+        for c, parts in splits.items():
+            lines.append(f"| {c} | {parts['total']:.1f} | " + " | ".join(f"{parts[p]:.1f}" for p in SPLIT_PARTS) + " |")
+    return lines
 
 
 def tree_policy(target, heads: Iterable, speculation: SpeculationConfig):

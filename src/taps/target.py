@@ -1,9 +1,11 @@
 """Target: an UNMODIFIED Hugging Face causal LM plus its tokenizer, driven through its cache.
 
-Tree attention is nothing but an additive 4D mask [1, 1, N, prefix + N] and explicit
-position_ids (prefix length + node depth) handed to the library's own forward; the KV cache is
-the library's DynamicCache, pruned by kv.py. One code path therefore serves Llama, Qwen2,
-Mistral and any other architecture whose forward accepts a prepared 4D mask.
+A tree forward is the library's own forward with explicit position_ids (prefix length + node
+depth) and the tree's ancestor structure, which taps.attention (an AttentionInterface function
+the Target selects) applies as an N x N mask on the tree block only; a model whose attention it
+does not wrap gets the additive 4D mask [1, 1, N, prefix + N] instead. The KV cache is the
+library's DynamicCache, pruned by kv.py. One code path therefore serves Llama, Qwen2, Mistral and
+any other architecture whose forward accepts a prepared 4D mask.
 
 Invariant between calls: the cache holds every token of the sequence except the last one,
 which is pending (it is the root of the next draft tree, or the next plain-decoding input).
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taps import kv
+from taps import attention, kv, machine
 from taps.config import DEVICE_PATTERN
 from taps.identity import tensors_identity, weights_identity
 from taps.target_source import resolve_target, target_name
@@ -55,25 +57,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """True on CPUs with AMX tiles (Intel Sapphire Rapids and later), where a bf16 matmul runs on
-    matrix units: measured on SmolLM2-135M, one thread, a 16-token tree forward takes 71 ms in bf16
-    against 128 ms in float32. Without AMX, bf16 is emulated or AVX512-BF16 only, and float32 stays."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs that support it (else fp16) and on CPUs with AMX, float32 otherwise.
-    Greedy speculative output is token-identical to plain decoding only in float32: in bf16 a tree
-    forward and a one-token forward round differently, so the target's near-ties can flip."""
+def resolve_dtype(dtype: str, device: torch.device, measure_on: tuple[Path, str, bool] | None = None) -> torch.dtype:
+    """"auto": bf16 on GPUs that support it (else fp16); on a CPU the faster of bf16 and float32
+    for a verify step of this target, measured once and cached (taps.machine; `measure_on`: the
+    model directory, the target's name, trust_remote_code), float32 when there is nothing to
+    measure. Greedy speculative output is token-identical to plain decoding only in float32: in
+    bf16 a tree forward and a one-token forward round differently, so the target's near-ties can flip."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16_matmul() else torch.float32
+        if device.type == "cpu" and measure_on is not None:
+            return machine.cpu_dtype(*measure_on)
+        return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
@@ -99,6 +94,8 @@ class Target:
         # hidden_states indices whose rows every forward returns, concatenated: the last layer, then
         # whatever the attached heads read (an EAGLE-3 head's low / middle / high layers)
         self.feature_layers: tuple[int, ...] = (LAST_LAYER,)
+        # tree forwards through taps.attention (False: the dense-mask path, logged once)
+        self.tree_attention = attention.enable(self.model)
         self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
         self.source_dir: Path | None = None  # the model directory Target.load read (a GGUF's cached conversion)
         self._weights: str | None = None
@@ -132,7 +129,7 @@ class Target:
         dev = resolve_device(device)
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=resolve_dtype(dtype, dev),
+            dtype=resolve_dtype(dtype, dev, (path, name, trust_remote_code)),
             attn_implementation=attn_implementation,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
@@ -280,18 +277,7 @@ class Target:
         if self._tree_start is not None:
             raise RuntimeError("forward_tree called twice without commit()")
         prefix = self.length
-        depth = tree.depth().to(self.device)
-        ancestors = tree.ancestor_mask().to(self.device)
-        full = additive_mask(ancestors, depth, prefix, None, self.dtype)
-        mask: Tensor | dict[str, Tensor] = full
-        window = self._window()
-        if window is not None and prefix + tree.size > window:
-            windowed = additive_mask(ancestors, depth, prefix, window, self.dtype)
-            layer_types = getattr(self.config, "layer_types", None)
-            if layer_types is not None:  # hybrid models take one mask per attention type
-                mask = {"full_attention": full, "sliding_attention": windowed}
-            else:
-                mask = windowed
+        mask, depth, extra = self.tree_inputs(tree, prefix)
         out = self.model(
             input_ids=tree.tokens.to(self.device).view(1, -1),
             position_ids=(prefix + depth)[None],
@@ -299,9 +285,34 @@ class Target:
             cache=self.cache,
             use_cache=True,
             output_hidden_states=True,
+            **extra,
         )
         self._tree_start = prefix
         return TargetOut(logits=out.logits[0], features=self._features(out.hidden_states)[0])
+
+    def tree_inputs(self, tree: DraftTree, prefix: int) -> tuple[Tensor | dict[str, Tensor], Tensor, dict]:
+        """(attention_mask, node depths [N], extra keyword arguments) of a tree forward after `prefix`
+        committed rows; its own method so that `taps profile` times the mask building apart."""
+        depth = tree.depth().to(self.device)  # [N]
+        ancestors = tree.ancestor_mask().to(self.device)  # [N, N] bool
+        if not self.tree_attention:
+            return self._dense_mask(ancestors, depth, prefix, tree.size), depth, {}
+        # the attention applies the tree block itself; any 4D tensor stops the library from
+        # building a causal mask (it takes a 4D mask as prepared), and this one is N x N
+        block = attention.TreeBlock(ancestors, depth, prefix)
+        return ancestors[None, None], depth, {attention.TREE_KWARG: block}
+
+    def _dense_mask(self, ancestors: Tensor, depth: Tensor, prefix: int, size: int) -> Tensor | dict[str, Tensor]:
+        """The additive mask [1, 1, N, prefix + N] (one per attention type on hybrid models), for
+        models whose attention taps.attention does not wrap."""
+        full = additive_mask(ancestors, depth, prefix, None, self.dtype)
+        window = self._window()
+        if window is None or prefix + size <= window:
+            return full
+        windowed = additive_mask(ancestors, depth, prefix, window, self.dtype)
+        if getattr(self.config, "layer_types", None) is not None:  # hybrid models take one mask per attention type
+            return {"full_attention": full, "sliding_attention": windowed}
+        return windowed
 
     def commit(self, nodes: Tensor) -> None:
         """Keep exactly the KV rows of these tree nodes (root first, in path order); drop the rest."""

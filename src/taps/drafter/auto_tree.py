@@ -12,7 +12,10 @@ should draft deep, an unsure one should stop early. Per step:
 where c(v) is the node's confidence (the product of the head's probabilities along its path,
 which EAGLE-2 already uses as its acceptance estimate) and a() is a calibration of confidence to
 the acceptance this head actually gets, learned online from every verified tree (binned on
-log10 c, starting from a(c) = c). The costs come from `taps profile` (taps/profile.py).
+log10 c, starting from a(c) = c). The costs come from `taps profile` (taps/profile.py), the
+verify cost at the step's committed context: every tree node attends to all of it, so the same
+tree costs more after 2,000 tokens than after 100, and a tree sized for a short prompt would be
+too large for a long one.
 
 After every level the policy compares the best rate of the nodes drafted so far with an
 optimistic bound for one more level (the beams' own acceptance: their children cannot do
@@ -52,6 +55,10 @@ class StepCosts:
     verify_ms: dict[int, float]  # tree tokens (root included) -> one target forward
     level_ms: dict[int, float]  # beams -> one draft level (head forward, LM head, top-k)
     fixed_ms: float = 0.0  # verification rule, commit, bookkeeping
+    # committed context -> tree tokens -> one target forward (empty: verify_ms at every context)
+    verify_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    CONTEXT_BUCKET = 64  # contexts are rounded to this, so nearby steps share one verify table
 
     def __post_init__(self) -> None:
         if not self.verify_ms or not self.level_ms:
@@ -69,8 +76,26 @@ class StepCosts:
     def from_profile(cls, profile: dict, fixed_ms: float = 0.0) -> "StepCosts":
         if "draft_level_ms" not in profile:
             raise ValueError("the profile has no draft levels: profile with a drafter (taps profile --drafter DIR)")
+        by_context = {int(c): {int(n): float(ms) for n, ms in t.items()}
+                      for c, t in (profile.get("verify_ms_by_context") or {}).items()}
         return cls({int(n): float(ms) for n, ms in profile["target_forward_ms"].items()},
-                   {int(k): float(ms) for k, ms in profile["draft_level_ms"].items()}, fixed_ms)
+                   {int(k): float(ms) for k, ms in profile["draft_level_ms"].items()}, fixed_ms, by_context)
+
+    def at(self, context: int) -> "StepCosts":
+        """These costs with the verify cost measured at `context` committed tokens: each tree
+        size interpolated between the measured contexts (linearly past the last two), the context
+        rounded to CONTEXT_BUCKET tokens; one StepCosts per bucket, kept. Without a measurement
+        by context, these costs themselves."""
+        if not self.verify_by_context:
+            return self
+        bucket = max(0, round(context / self.CONTEXT_BUCKET) * self.CONTEXT_BUCKET)
+        known = self.__dict__.setdefault("_at", {})
+        if bucket not in known:
+            sizes = set.intersection(*(set(t) for t in self.verify_by_context.values()))
+            verify = {n: max(_interpolate({c: t[n] for c, t in self.verify_by_context.items()}, bucket), 1e-6)
+                      for n in sizes}
+            known[bucket] = StepCosts(verify, self.level_ms, self.fixed_ms)
+        return known[bucket]
 
     def verify(self, tokens: int) -> float:
         return _interpolate(self.verify_ms, tokens)
@@ -121,19 +146,26 @@ class AutoTree:
     top_k: int = 8
     calibration: Calibration = field(default_factory=Calibration)
     chosen: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, tree tokens) per step
+    context: int = 0  # committed tokens at this step (its proposer sets it before drafting)
+
+    @property
+    def now(self) -> StepCosts:
+        """The costs of a step at the current context."""
+        return self.costs.at(self.context)
 
     def _best(self, scores: Tensor, levels: int, max_tokens: int | None = None) -> tuple[float, int, float]:
         """(best expected tokens per ms, its node count, its expected tokens) over prefixes of the
         nodes sorted by score, at most max_tokens - 1 nodes."""
+        costs = self.now
         ordered = scores.sort(descending=True).values
         if max_tokens is not None:
             ordered = ordered[:max(max_tokens - 1, 0)]
-        draft = self.costs.fixed_ms + levels * self.costs.level(self.top_k)
+        draft = costs.fixed_ms + levels * costs.level(self.top_k)
         if ordered.numel() == 0:
-            return 1.0 / (draft + self.costs.verify(1)), 0, 1.0
+            return 1.0 / (draft + costs.verify(1)), 0, 1.0
         gain = self.calibration(ordered.exp())  # [N] expected acceptance, best first
         expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
-        times = draft + self.costs.verify_table(expected.numel()).to(gain.dtype)  # [N + 1]: 1..N + 1 tree tokens
+        times = draft + costs.verify_table(expected.numel()).to(gain.dtype)  # [N + 1]: 1..N + 1 tree tokens
         rates = expected / times  # [N + 1]
         best = int(rates.argmax())
         return float(rates[best]), best, float(expected[best])
@@ -141,10 +173,11 @@ class AutoTree:
     def go_deeper(self, scores: Tensor, beam_scores: Tensor, levels: int) -> bool:
         """Whether one more level could beat the best tree of the `levels` drafted so far: its
         nodes add at most the beams' own expected acceptance, for one more level's cost."""
+        costs = self.now
         rate, nodes, expected = self._best(scores, levels)
         bound = expected + float(self.calibration(beam_scores.exp()).sum())
-        time = self.costs.fixed_ms + (levels + 1) * self.costs.level(self.top_k) + \
-            self.costs.verify(nodes + 1 + beam_scores.numel())
+        time = costs.fixed_ms + (levels + 1) * costs.level(self.top_k) + \
+            costs.verify(nodes + 1 + beam_scores.numel())
         return bound / time > rate
 
     def tree_tokens(self, scores: Tensor, levels: int, max_tokens: int) -> int:
@@ -166,7 +199,7 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     Those others are model-free drafters (prompt lookup, a datastore) whose score is already an
     acceptance estimate (q^depth x share: their running acceptance rate times the frequency of the
     continuation), so node i adds exp(score_i) expected tokens for the verify cost of one more tree
-    token, read from the same measured profile (`policy.costs`). Without the cut, a lookup member
+    token, read from the same measured profile at the step's context (`policy.now`). Without the cut, a lookup member
     fills the tree up to the cap, and on a CPU every token past ~16 costs a tree forward more.
     The kept set is closed under parents (a node's path score never exceeds its parent's, and
     ties keep the earlier node), so verification is unchanged and stays lossless."""
@@ -183,11 +216,12 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     extra = sorted((i for i in range(1, union.size) if not sources[i] & sized), key=lambda i: (-score[i], i))
     extra = extra[:total_tokens - 1 - len(kept)]
     levels = max((depth[i] for i in kept), default=0)
-    draft = policy.costs.fixed_ms + levels * policy.costs.level(policy.top_k)
+    costs = policy.now  # at the step's context, which the member's propose() set
+    draft = costs.fixed_ms + levels * costs.level(policy.top_k)
     base = 1.0 + sum(math.exp(score[i]) for i in kept)
     gain = torch.tensor([math.exp(score[i]) for i in extra], dtype=torch.float64)  # [E], best first
     expected = base + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]: 0..E extra nodes
-    times = draft + policy.costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]
+    times = draft + costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]
     take = int((expected / times).argmax())
     keep = torch.tensor(sorted([0] + kept + extra[:take]), dtype=torch.long, device=union.parents.device)
     return keep_nodes(union, keep)

@@ -100,7 +100,7 @@ def register_study(sub) -> None:
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
     add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
-                                                                   "GPUs and AMX CPUs, else fp32)")
+                                                                   "GPUs; on a CPU the faster, measured)")
     d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
                    help="worker processes, one thread each (default: one per usable core, at most 4: on a CPU that "
                         "decodes fastest)")

@@ -31,6 +31,8 @@ class SingleProposer:
     def propose(self) -> DraftTree:
         if self._ctx is None:
             raise RuntimeError("propose() before start()")
+        if self.policy is not None:  # the verify cost it weighs is the one at this context
+            self.policy.context = self._ctx.length
         return expand_tree(self.head, self._ctx, self.tree, self.source, self.policy)
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:

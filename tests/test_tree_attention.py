@@ -1,0 +1,195 @@
+"""taps.attention: the tree path is taken, equals the dense-mask path and the library's own eager
+and SDPA attention in float32 at long context (100, 1,000 and 2,000 committed tokens), covers
+sliding windows (Mistral, Qwen2's hybrid layers), and falls back with one log line where it does
+not apply."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import taps.attention as attention
+from conftest import hf_greedy
+from taps.config import DecodeConfig
+from taps.decode import generate
+from taps.target import Target
+from taps.testing import tiny_model
+from taps.tree import DraftTree
+
+ATOL = 1e-5
+LONG = 2200  # max_position_embeddings of the long-context models
+PARENTS = [-1, 0, 0, 0, 1, 1, 3, 4, 7, 8]  # depth 5: a chain below a bushy top
+
+
+@functools.lru_cache(maxsize=None)
+def long_model(arch: str, attn: str, **kwargs):
+    return tiny_model(arch, seed=5, attn_implementation=attn, max_positions=LONG, **dict(kwargs))
+
+
+def tree(tokens: list[int]) -> DraftTree:
+    n = len(tokens)
+    return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(PARENTS[:n]), logp=torch.zeros(n),
+                             entropy=torch.zeros(n), drafter=0)
+
+
+def context(length: int, vocab: int = 384, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def tree_out(model, prefix: list[int], nodes: list[int], tree_path: bool):
+    target = Target(model)
+    target.tree_attention = tree_path and target.tree_attention
+    target.prefill(torch.tensor(prefix))
+    return target.forward_tree(tree(nodes))
+
+
+def sequential_last(model, ids: list[int]):
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0, -1], out.hidden_states[-1][0, -1]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls of the tree path (so a silent fallback fails the test)."""
+    calls = []
+    real = attention.tree_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "tree_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("prefix", [100, 1000, 2000])
+def test_tree_path_equals_dense_mask_and_sequential(arch, attn, prefix, spy):
+    model = long_model(arch, attn)
+    ids = context(prefix)
+    nodes = [7, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+    mine = tree_out(model, ids, nodes, tree_path=True)
+    assert len(spy) == model.config.num_hidden_layers  # one tree-path call per layer, no fallback
+    dense = tree_out(model, ids, nodes, tree_path=False)
+    assert len(spy) == model.config.num_hidden_layers  # the dense path does not use it
+    assert torch.allclose(mine.logits, dense.logits, atol=ATOL)
+    assert torch.allclose(mine.features, dense.features, atol=ATOL)
+    t = tree(nodes)
+    for node in (0, 3, 6, 9):  # the library's own forward over each node's path (its own attention)
+        logits, feats = sequential_last(model, ids + t.tokens[t.path_to(node)].tolist())
+        assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
+        assert torch.allclose(mine.features[node], feats, atol=ATOL), f"node {node} features differ"
+
+
+@pytest.mark.parametrize("arch_kwargs", [
+    ("mistral", (("sliding_window", 6),)),
+    ("mistral", (("sliding_window", 300),)),
+    ("qwen2", (("use_sliding_window", True), ("sliding_window", 6), ("max_window_layers", 1))),
+])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_windows_are_exact(arch_kwargs, attn, spy):
+    """Windows smaller than the tree's depth and smaller than the context: the band each query
+    loses is masked, keys before every window are not read."""
+    arch, kwargs = arch_kwargs
+    model = long_model(arch, attn, **dict(kwargs))
+    ids = context(400, seed=3)
+    nodes = [7, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+    mine = tree_out(model, ids, nodes, tree_path=True)
+    assert len(spy) == model.config.num_hidden_layers
+    dense = tree_out(model, ids, nodes, tree_path=False)
+    assert torch.allclose(mine.logits, dense.logits, atol=ATOL)
+    t = tree(nodes)
+    for node in range(t.size):
+        logits, _ = sequential_last(model, ids + t.tokens[t.path_to(node)].tolist())
+        assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
+
+
+class NoisyChain:
+    """Proposes the reference continuation with a wrong token at a varying depth, so accepted
+    lengths vary and the committed context grows by different amounts each step."""
+
+    def __init__(self, reference: list[int], vocab: int):
+        self.reference, self.vocab, self.seq, self.step = reference, vocab, [], 0
+
+    def start(self, features, tokens):
+        self.seq = tokens.tolist()
+
+    def propose(self) -> DraftTree:
+        self.step += 1
+        nxt = self.reference[len(self.seq):len(self.seq) + 6]
+        cut = self.step % (len(nxt) + 1)
+        nxt = [t if d < cut else (t + 1) % self.vocab for d, t in enumerate(nxt)]
+        n = len(nxt) + 1
+        return DraftTree.drafted(tokens=torch.tensor([self.seq[-1]] + nxt), parents=torch.arange(-1, n - 1),
+                                 logp=torch.zeros(n), entropy=torch.zeros(n), drafter=0)
+
+    def observe(self, tree, acceptance, features):
+        self.seq += acceptance.new_tokens
+
+    def step_info(self):
+        from taps.propose.base import StepInfo
+        return StepInfo()
+
+
+@pytest.mark.parametrize("prefix", [100, 1000, 2000])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_is_token_identical_at_long_context(prefix, attn, spy):
+    """Speculative and plain greedy decoding through the tree path equal the library's own greedy
+    generate (its own attention) after 100, 1,000 and 2,000 tokens of prompt."""
+    model = long_model("llama", attn)
+    prompt = context(prefix, seed=prefix)
+    reference = hf_greedy(model, prompt, 32)
+    target = Target(model)
+    cfg = DecodeConfig(max_new_tokens=32)
+    spec = generate(target, NoisyChain(prompt + reference, model.config.vocab_size), prompt, cfg)
+    assert spec.tokens == reference
+    assert len({s.accepted for s in spec.steps}) >= 3
+    assert spy  # the verifier calls took the tree path
+    assert generate(target, None, prompt, cfg).tokens == reference
+
+
+def test_unmodelled_arguments_fall_back_with_one_log_line(caplog):
+    """An argument the tree path does not model (attention sinks here) sends the call to the
+    library's attention with the dense mask, which gives the same result, and says so once."""
+    model = long_model("llama", "eager")
+    target = Target(model)
+    ids = context(50)
+    target.prefill(torch.tensor(ids))
+    layer = model.model.layers[0].self_attn
+    block = attention.TreeBlock(tree([7, 40, 41]).ancestor_mask(), tree([7, 40, 41]).depth(), len(ids))
+    q = torch.randn(1, 4, 3, 16)
+    k, v = torch.randn(1, 2, len(ids) + 3, 16), torch.randn(1, 2, len(ids) + 3, 16)
+    fn = attention.ALL_ATTENTION_FUNCTIONS["taps_tree_eager"]
+    ours, _ = fn(layer, q, k, v, None, scaling=0.25, **{attention.TREE_KWARG: block})
+    with caplog.at_level(logging.WARNING, logger="taps.attention"):
+        fell, _ = fn(layer, q, k, v, None, scaling=0.25, s_aux=torch.zeros(4), **{attention.TREE_KWARG: block})
+        fn(layer, q, k, v, None, scaling=0.25, s_aux=torch.zeros(4), **{attention.TREE_KWARG: block})
+    assert torch.allclose(ours, fell, atol=ATOL)  # llama's eager ignores sinks: both are plain attention
+    lines = [r.getMessage() for r in caplog.records if "tree attention" in r.getMessage()]
+    assert len(lines) == 1 and "s_aux" in lines[0] and "dense" in lines[0]
+
+
+def test_unwrapped_attention_keeps_the_dense_mask(caplog):
+    fake = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with caplog.at_level(logging.WARNING, logger="taps.attention"):
+        assert attention.enable(fake) is False
+    assert any("flash_attention_2" in r.getMessage() and "dense" in r.getMessage() for r in caplog.records)
+
+
+def test_non_tree_forwards_are_the_library_own():
+    """After enable(), a plain forward runs the base attention: identical outputs, bit for bit."""
+    ids = torch.tensor([context(300, seed=9)])
+    for attn in ("sdpa", "eager"):
+        fresh = tiny_model("llama", seed=5, attn_implementation=attn, max_positions=LONG)
+        with torch.inference_mode():
+            before = fresh(ids).logits
+            Target(fresh)
+            assert fresh.config._attn_implementation == f"taps_tree_{attn}"
+            assert attention.base_implementation(fresh) == attn
+            assert torch.equal(fresh(ids).logits, before)
