@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from taps.attention import ALL_ATTENTION_FUNCTIONS, TreeBlock, tree_attention  # noqa: E402
+from taps.attention import ALL_ATTENTION_FUNCTIONS, TreeBlock, tree_attention
 
 
 def median_ms(fn, repeats: int) -> float:
