@@ -4,7 +4,9 @@ Every mistake in a request raises `RequestError` naming the field (`param`, e.g.
 or `taps.variant`); the app answers it as `{"error": {"message", "type", "param", "code"}}` with its
 status (400 unless said). Fields the server does not use (`user`, `presence_penalty`, ...) are
 ignored, as OpenAI-compatible servers do; fields asking for what it cannot do (`n` > 1, `tools`,
-`logprobs`) are refused rather than silently dropped.
+`logprobs`) are refused rather than silently dropped. A string that is not valid Unicode (a lone
+surrogate such as "\\ud800", which JSON can spell) is refused wherever it is, before any field is
+read: the tokenizer and the JSON encoder of the answer would fail on it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 4
-FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}  # a cut answer has none
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # a signed 64-bit integer, as OpenAI's API takes it
 
 
 class RequestError(Exception):
@@ -56,7 +59,41 @@ def parse_json(raw: bytes) -> dict:
         raise RequestError(f"the request body is not valid JSON ({err})", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_kind(body)}", param="body")
+    where = _not_unicode(body, "")
+    if where is not None:
+        raise RequestError(f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                           "\\ud800-\\udfff escape)", param=where or "body", code="invalid_unicode")
     return body
+
+
+def _not_unicode(value, where: str) -> str | None:
+    """The path (e.g. `messages[0].content`) of the first string, key or value, holding a lone
+    surrogate; None if there is none."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else where
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else key
+            if not _encodes(key):
+                return where or "body"
+            found = _not_unicode(item, path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):
+                found = _not_unicode(item, f"{where}[{i}]")
+                if found is not None:
+                    return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _kind(value) -> str:
@@ -94,6 +131,14 @@ def _integer(body: dict, key: str, low: int | None = None) -> int | None:
     if low is not None and value < low:
         raise RequestError(f"{key} must be >= {low}, got {value}", param=key)
     return value
+
+
+def _seed(body: dict) -> int:
+    seed = _integer(body, "seed")
+    low, high = SEED_RANGE
+    if seed is not None and not low <= seed <= high:
+        raise RequestError(f"seed must be a 64-bit signed integer, in [{low}, {high}], got {seed}", param="seed")
+    return seed or 0
 
 
 def _boolean(body: dict, key: str, where: str | None = None) -> bool:
@@ -163,7 +208,7 @@ def _common(body: dict, chat: bool, prompt: object) -> GenerationRequest:
     return GenerationRequest(
         model=model, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
-        seed=_integer(body, "seed") or 0, stop=_stop(body), stream=_boolean(body, "stream"),
+        seed=_seed(body), stop=_stop(body), stream=_boolean(body, "stream"),
         include_usage=include_usage, variant=_taps_options(body))
 
 
