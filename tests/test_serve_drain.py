@@ -183,7 +183,7 @@ def test_regenerate_honours_a_retry_after_given_as_an_http_date(canned, tmp_path
     data, out = write_records(tmp_path / "data.jsonl", n=1), tmp_path / "out.jsonl"
     assert regenerate_endpoint(Endpoint(url, retries=2), data, out, RegenerateSettings(max_new_tokens=8),
                                progress=None) == 1
-    assert len(waits) == 1 and 27 <= waits[0] <= 31, waits
+    assert len(waits) == 1 and 20 <= waits[0] <= 31, waits  # the date is 30 s ahead (1 s resolution)
 
 
 def serve_process(target: Path, port: int, log: Path) -> subprocess.Popen:
