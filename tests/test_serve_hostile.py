@@ -181,6 +181,21 @@ def test_bad_seeds_and_lone_surrogates_are_400_on_a_connection_that_stays_open(s
         conn.close()
 
 
+def test_a_huge_integer_or_deep_nesting_is_a_400_not_a_500(served):
+    """Python's JSON reader refuses integers of over 4300 digits and nesting beyond its recursion
+    limit with other errors than JSONDecodeError: still a malformed body, still a 400."""
+    conn = connect(served["url"])
+    try:
+        for data in [body()[:-1] + b', "seed": ' + b"9" * 5000 + b"}",
+                     body()[:-1] + b', "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                     body()[:-1] + b', "user": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}"]:
+            status, _, reply = post(conn, data)
+            assert status == 400 and reply["error"]["param"].startswith(("body", "user[0][0][0]")), reply
+        assert post(conn, body())[0] == 200
+    finally:
+        conn.close()
+
+
 def test_an_internal_error_is_a_500_on_a_connection_that_stays_open(served, monkeypatch):
     engine = served["engine"]
     original = engine.text_prompt

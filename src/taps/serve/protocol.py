@@ -55,36 +55,34 @@ class GenerationRequest:
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"the request body is not valid JSON ({err})", param="body", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:  # ValueError: JSONDecodeError, > 4300 digits
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:200]
+        raise RequestError(f"the request body is not valid JSON ({why})", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_kind(body)}", param="body")
-    where = _not_unicode(body, "")
+    where = _not_unicode(body)
     if where is not None:
-        raise RequestError(f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate (an unpaired "
-                           "\\ud800-\\udfff escape)", param=where or "body", code="invalid_unicode")
+        raise RequestError(f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                           "\\ud800-\\udfff escape)", param=where, code="invalid_unicode")
     return body
 
 
-def _not_unicode(value, where: str) -> str | None:
-    """The path (e.g. `messages[0].content`) of the first string, key or value, holding a lone
-    surrogate; None if there is none."""
-    if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else where
-    if isinstance(value, dict):
-        for key, item in value.items():
-            path = f"{where}.{key}" if where else key
-            if not _encodes(key):
+def _not_unicode(body: dict) -> str | None:
+    """The path (e.g. `messages[0].content`; `body` for a key) of a string holding a lone
+    surrogate; None if there is none. Iterative: the nesting may be as deep as JSON allows."""
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not (value.isascii() or _encodes(value)):
+                return where
+        elif isinstance(value, dict):
+            if not all(_encodes(key) for key in value):
                 return where or "body"
-            found = _not_unicode(item, path)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if isinstance(item, (str, dict, list)):
-                found = _not_unicode(item, f"{where}[{i}]")
-                if found is not None:
-                    return found
+            stack += [(item, f"{where}.{key}" if where else key) for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value)))
+                      if isinstance(item, (str, dict, list))]
     return None
 
 
