@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 from taps.cli import main  # noqa: E402
 from taps.data.regenerate import Endpoint, EndpointError, RegenerateSettings, regenerate_endpoint  # noqa: E402
 from taps.serve import app as serve_app  # noqa: E402
+from taps.serve import auth  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.launch import ServeSettings, serve  # noqa: E402
@@ -80,7 +81,7 @@ def test_the_key_is_compared_in_constant_time(keyed, monkeypatch):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(serve_app.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
     assert raw(keyed, "GET", "/v1/models", None, {"Authorization": "Bearer wrong"})[0] == 401
     assert raw(keyed, "GET", "/v1/models", None, {"Authorization": f"Bearer {KEY}"})[0] == 200
     assert len(compared) == 2 and all(len(a) == len(b) for a, b in compared)  # digests: the length leaks nothing

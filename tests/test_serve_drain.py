@@ -25,7 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from taps.data import regenerate as regen  # noqa: E402
-from taps.data.regenerate import Endpoint, EndpointError, RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate import (Endpoint, EndpointError, RegenerateSettings, regenerate,  # noqa: E402
+                                  regenerate_endpoint)
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.target import Target  # noqa: E402

@@ -20,7 +20,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from taps.drafter.checkpoint import write_untrained  # noqa: E402
-from taps.serve.app import Limits, Scheduler, create_app, serving  # noqa: E402
+from taps.serve.admission import Scheduler  # noqa: E402
+from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import Metrics, parse  # noqa: E402
 from taps.serve.protocol import RequestError  # noqa: E402

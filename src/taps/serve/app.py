@@ -3,7 +3,7 @@
 One request decodes at a time per model (batch size 1, as the study measures): a request waits in
 a queue of at most `Limits.max_queue` for the decoder; beyond it the answer is 429 with a
 Retry-After estimated from recent request times, and 503 (also with Retry-After) once the server
-is shutting down. Admission is fair between clients (told apart by their address, see Scheduler).
+is shutting down. Admission is fair between clients (told apart by their address: serve/admission.py).
 Each decode runs in a worker thread and hands its tokens to the request's coroutine as the
 verifier accepts them; a stream's client that goes away, a stop string, or shutdown stops the
 decode at the next step and frees the decoder for the next request.
@@ -18,24 +18,20 @@ the shutdown timeout, and what is still unfinished then is cut and reported as c
 error event in a stream; never a normal finish_reason.
 
 With an API key (`create_app(api_key=...)`), every endpoint but /health wants `Authorization:
-Bearer KEY`; the key is compared as a SHA-256 digest with hmac.compare_digest (constant time).
+Bearer KEY` (serve/auth.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import json
 import logging
-import math
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -43,6 +39,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from taps.config import check_at_least, setting
+from taps.serve.admission import Scheduler
+from taps.serve.auth import BearerKey
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError
 from taps.serve.metrics import CONTENT_TYPE, Metrics
 from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStream, chunk, new_id, parse_chat,
@@ -63,111 +61,6 @@ class Limits:
 
     def __post_init__(self) -> None:
         check_at_least(self)
-
-
-@dataclass(eq=False)
-class _Waiter:
-    client: str
-    future: asyncio.Future
-    granted: bool = False
-
-
-@dataclass
-class Scheduler:
-    """The decoder's lock and its bounded, fair queue (all calls on the event loop's thread).
-
-    Fair: clients are told apart by their address. When the queue is full, a request from a client
-    holding at least two requests fewer than another takes that client's newest waiting place (that
-    request is answered 429 with Retry-After, as if it had come last), and the decoder goes next to
-    the waiting client it served least recently. So a client that honours Retry-After finds room when
-    it comes back, instead of losing every freed place to clients that retry at once."""
-
-    max_queue: int
-    running: int = 0
-    closing: bool = False  # shutdown began: new requests get 503
-    jobs: set = field(default_factory=set)  # the running Jobs
-    _queue: list = field(default_factory=list)  # _Waiter, in arrival order
-    _running_client: str | None = None  # one decode at a time
-    _served: dict = field(default_factory=dict)  # client -> tick of its last start
-    _tick: int = 0
-    _durations: deque = field(default_factory=lambda: deque(maxlen=20))
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def retry_after(self) -> str:
-        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return str(max(1, math.ceil(mean * (self.waiting + 1))))
-
-    def busy(self) -> RequestError:
-        return RequestError(f"the server is busy: one request decodes at a time and {self.waiting} are waiting "
-                            f"(the limit is {self.max_queue}); retry later", status=429, kind="rate_limit_error",
-                            code="queue_full", headers={"Retry-After": self.retry_after()})
-
-    def shutting_down(self, message: str = "the server is shutting down") -> RequestError:
-        return RequestError(message, status=503, kind="server_error", code="shutting_down",
-                            headers={"Retry-After": self.retry_after()})
-
-    def _held(self, client: str) -> int:
-        return (self._running_client == client) + sum(w.client == client for w in self._queue)
-
-    async def acquire(self, client: str = "?") -> None:
-        if self.closing:
-            raise self.shutting_down()
-        if self.running + self.waiting > self.max_queue:
-            crowded = max((w.client for w in self._queue), key=self._held, default=None)
-            if crowded is None or self._held(crowded) < self._held(client) + 2:
-                raise self.busy()
-            evicted = next(w for w in reversed(self._queue) if w.client == crowded)
-            self._queue.remove(evicted)
-            evicted.future.set_exception(self.busy())
-        waiter = _Waiter(client, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
-        self._next()
-        try:
-            await waiter.future
-        except asyncio.CancelledError:  # the request's task was cancelled while it waited
-            if waiter in self._queue:
-                self._queue.remove(waiter)
-            elif waiter.granted:
-                self.release(0.0)
-            raise
-
-    def _next(self) -> None:
-        """Start the waiting client served least recently, if the decoder is free."""
-        if self.running or not self._queue:
-            return
-        waiter = min(self._queue, key=lambda w: self._served.get(w.client, -1))  # FIFO among equals
-        self._queue.remove(waiter)
-        self.running += 1
-        self._running_client = waiter.client
-        self._tick += 1
-        self._served[waiter.client] = self._tick
-        if len(self._served) > 4 * (self.max_queue + 1) + 64:  # bounded: forget clients not here now
-            here = {w.client for w in self._queue} | {self._running_client}
-            self._served = {c: t for c, t in self._served.items() if c in here}
-        waiter.granted = True
-        waiter.future.set_result(None)
-
-    def release(self, seconds: float) -> None:
-        self._durations.append(seconds)
-        self.running -= 1
-        self._running_client = None
-        self._next()
-
-    def cut(self) -> int:
-        """Shutdown's deadline: cut every running decode (at its next step) and refuse every waiting
-        request with 503; returns how many decodes were cut."""
-        self.closing = True
-        for waiter in self._queue:
-            waiter.future.set_exception(self.shutting_down("the server shut down before this request's turn came; "
-                                                           "retry"))
-        self._queue.clear()
-        for job in list(self.jobs):
-            job.cut = True
-            job.cancel.set()
-        return len(self.jobs)
 
 
 class Job:
@@ -441,32 +334,6 @@ def guarded(handler):
             LOG.exception("taps serve: internal error")
             raise _internal(err) from err
     return run
-
-
-class BearerKey:
-    """ASGI middleware: every request but GET /health needs `Authorization: Bearer KEY`; the key is
-    compared as a SHA-256 digest (same length whatever is sent) with hmac.compare_digest."""
-
-    def __init__(self, app, key: str, rejected=lambda status: None):
-        self.app, self.rejected = app, rejected
-        self.digest = hashlib.sha256(key.encode()).digest()
-
-    def allowed(self, scope) -> bool:
-        header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-        scheme, _, token = header.partition(b" ")
-        same = hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest)
-        return same and scheme.lower() == b"bearer"
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or self.allowed(scope):
-            return await self.app(scope, receive, send)
-        self.rejected(401)
-        body = json.dumps(RequestError("a valid API key is needed: send it as Authorization: Bearer KEY",
-                                       kind="invalid_request_error", code="invalid_api_key").body()).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
 
 
 def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = None) -> FastAPI:

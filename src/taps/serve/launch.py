@@ -105,4 +105,5 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     warning = exposure_warning(settings.host, key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    run(create_app(engine, limits, api_key=key), settings.host, settings.port, settings.shutdown_timeout, settings.log_level)
+    run(create_app(engine, limits, api_key=key), settings.host, settings.port, settings.shutdown_timeout,
+        settings.log_level)
