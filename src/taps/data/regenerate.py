@@ -18,7 +18,10 @@ whose later turns would be cut by the features' maximum length anyway.
 Through a server (`regenerate_endpoint`, `--endpoint URL`): the same records from any
 OpenAI-compatible server that serves the target (vLLM or SGLang on a cluster, `taps serve`
 here), `concurrency` records in flight; if the server goes away, what is written stays and a
-rerun resumes.
+rerun resumes. Only a complete answer is saved: finish_reason "stop" or "length" (a "length"
+answer with fewer tokens than asked is not complete either); any other answer (a server cut short by
+its shutdown, a missing or unknown finish_reason) is asked again like a 503, and after the retries
+the run stops with the record unsaved. Retry-After is honoured as seconds or as an HTTP date.
 
 Resumable: one JSON line per finished record, written in a single write and fsync'ed; a rerun
 skips every id already in the output, and drops a torn last line left by a crash.
@@ -26,10 +29,12 @@ skips every id already in the output, and drops a torn last line left by a crash
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import sys
 import time
+from datetime import timezone
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -279,6 +284,24 @@ class EndpointSettings:
 
 
 FINISH_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}
+MAX_RETRY_AFTER_S = 3600.0  # a server's Retry-After beyond an hour is taken as an hour
+
+
+def retry_after(value: str | None, default: float) -> float:
+    """Seconds to wait for a Retry-After header (seconds or an HTTP date); `default` without one."""
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return default
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = when.timestamp() - time.time()
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if seconds == seconds else default
 
 
 @dataclass
@@ -301,7 +324,9 @@ class Endpoint:
                              "http://127.0.0.1:8000/v1")
         self.url = url if url.endswith("/v1") else url + "/v1"
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, path: str, body: dict | None = None, untrusted=lambda reply: None) -> dict:
+        """The JSON answer; `untrusted(answer)`: why an answer cannot be used (then it is asked again,
+        as after a 503), or None."""
         import urllib.error
         import urllib.request
 
@@ -314,14 +339,17 @@ class Endpoint:
             try:
                 request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
                 with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    return json.loads(reply.read())
+                    answer = json.loads(reply.read())
+                why = untrusted(answer)
+                if why is None:
+                    return answer
             except urllib.error.HTTPError as err:
                 text = err.read().decode("utf-8", "replace")
                 if err.code not in (408, 429, 500, 502, 503, 504):
                     raise EndpointError(f"{self.url}{path} answered {err.code}: {_server_message(text)}",
                                         err.code) from None
                 why = f"{err.code} {_server_message(text)}"
-                wait = float(err.headers.get("Retry-After") or wait) if err.code in (429, 503) else wait
+                wait = retry_after(err.headers.get("Retry-After"), wait) if err.code in (429, 503) else wait
             except (urllib.error.URLError, OSError, json.JSONDecodeError) as err:
                 why = str(getattr(err, "reason", err))
             if attempt < self.retries:
@@ -341,11 +369,28 @@ class Endpoint:
         """(reply, stop reason as the local path names it, new tokens)."""
         body = {"model": self.served_model(), "messages": messages, "max_tokens": settings.max_new_tokens,
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
-        reply = self._call("POST", "/chat/completions", body)
+        reply = self._call("POST", "/chat/completions", body, lambda answer: _incomplete(answer, settings))
         choice = reply["choices"][0]
         tokens = (reply.get("usage") or {}).get("completion_tokens")
-        return (choice["message"].get("content") or "", FINISH_REASONS.get(choice.get("finish_reason"), "stop_token"),
+        return (choice["message"].get("content") or "", FINISH_REASONS[choice["finish_reason"]],
                 tokens if tokens is not None else -1)
+
+
+def _incomplete(answer, settings: RegenerateSettings) -> str | None:
+    """Why a chat completion is not a complete answer that can be saved, or None."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        return "an answer without choices[0].message"
+    finish = choice.get("finish_reason")
+    if finish not in FINISH_REASONS:
+        return (f"an answer whose finish_reason is {finish!r}, neither 'stop' nor 'length': it may be cut short, "
+                "so it is not saved")
+    tokens = (answer.get("usage") or {}).get("completion_tokens") if isinstance(answer.get("usage"), dict) else None
+    if finish == "length" and isinstance(tokens, int) and tokens < settings.max_new_tokens:
+        return (f"an answer with finish_reason 'length' after {tokens} of {settings.max_new_tokens} tokens: cut "
+                "short, so it is not saved")
+    return None
 
 
 def _server_message(text: str) -> str:

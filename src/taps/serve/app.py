@@ -3,27 +3,44 @@
 One request decodes at a time per model (batch size 1, as the study measures): a request waits in
 a queue of at most `Limits.max_queue` for the decoder; beyond it the answer is 429 with a
 Retry-After estimated from recent request times, and 503 (also with Retry-After) once the server
-is shutting down. Each decode runs in a worker thread and hands its tokens to the request's
-coroutine as the verifier accepts them; a stream's client that goes away, a stop string, or
-shutdown stops the decode at the next step and frees the decoder for the next request.
+is shutting down. Admission is fair between clients (told apart by their address: serve/admission.py).
+Each decode runs in a worker thread and hands its tokens to the request's coroutine as the
+verifier accepts them; a stream's client that goes away, a stop string, or shutdown stops the
+decode at the next step and frees the decoder for the next request.
+
+Hostile requests cost little: the body is counted while it streams in (413 past the limit), a
+prompt that cannot fit the token limit is refused before it is tokenised (Engine.max_token_chars
+bounds the characters of a token), and parsing and tokenising run in one worker thread, off the
+event loop. An unexpected error is answered 500 as a RequestError, so the connection stays open.
+
+Shutdown drains (DrainingServer): new requests get 503, running and queued ones may finish within
+the shutdown timeout, and what is still unfinished then is cut and reported as cut: a 503, or an
+error event in a stream; never a normal finish_reason.
+
+With an API key (`create_app(api_key=...)`), every endpoint but /health wants `Authorization:
+Bearer KEY` (serve/auth.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import math
+import logging
 import threading
 import time
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from taps.config import check_at_least, setting
+from taps.serve.admission import Scheduler
+from taps.serve.auth import BearerKey
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError
 from taps.serve.metrics import CONTENT_TYPE, Metrics
 from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStream, chunk, new_id, parse_chat,
@@ -31,6 +48,8 @@ from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStre
 
 MAX_BODY_BYTES = 4 << 20
 FINISH_LABEL = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "cancelled"}
+CUT_GRACE_S = 10.0  # after the drain's deadline: time for cut decodes to stop and their answers to go out
+LOG = logging.getLogger("taps.serve")
 
 
 @dataclass(frozen=True)
@@ -44,41 +63,6 @@ class Limits:
         check_at_least(self)
 
 
-class Scheduler:
-    """The decoder's lock and its bounded queue (all calls on the event loop's thread)."""
-
-    def __init__(self, max_queue: int):
-        self.max_queue, self.waiting, self.running, self.closing = max_queue, 0, 0, False
-        self._lock: asyncio.Lock | None = None
-        self._durations: deque[float] = deque(maxlen=20)
-        self.cancels: set[threading.Event] = set()
-
-    def retry_after(self) -> str:
-        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return str(max(1, math.ceil(mean * (self.waiting + 1))))
-
-    async def acquire(self) -> None:
-        if self.closing:
-            raise RequestError("the server is shutting down", status=503, kind="server_error", code="shutting_down",
-                               headers={"Retry-After": self.retry_after()})
-        if self.running + self.waiting > self.max_queue:
-            raise RequestError(f"the server is busy: one request decodes at a time and {self.waiting} are waiting "
-                               f"(the limit is {self.max_queue}); retry later", status=429, kind="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": self.retry_after()})
-        self._lock = self._lock or asyncio.Lock()
-        self.waiting += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self, seconds: float) -> None:
-        self._durations.append(seconds)
-        self.running -= 1
-        self._lock.release()
-
-
 class Job:
     """One decode in a worker thread; `events()` yields its text deltas, then its outcome."""
 
@@ -90,6 +74,7 @@ class Job:
         self.cancel = threading.Event()
         self.text = TextStream(server.engine.detokenize, request.stop)
         self.arrived = arrived
+        self.cut = False  # set by the shutdown's deadline (Scheduler.cut): a cancelled decode is then cut
         self.thread = threading.Thread(target=self._work, args=(prompt, sampling), daemon=True, name="taps-decode")
 
     def _call(self, function, *args) -> None:
@@ -107,7 +92,8 @@ class Job:
                                                 cancelled=self.cancel.is_set)
             if outcome.finish == "cancelled" and self.text.stopped:
                 outcome.finish = "stop_string"
-            self.server.metrics.finished(self.endpoint, self.variant, outcome, FINISH_LABEL[outcome.finish],
+            label = "cut" if outcome.finish == "cancelled" and self.cut else FINISH_LABEL[outcome.finish]
+            self.server.metrics.finished(self.endpoint, self.variant, outcome, label,
                                          time.perf_counter() - self.arrived)
             last = ("done", outcome)
         except BaseException as err:  # reported to the client; the server goes on
@@ -118,12 +104,27 @@ class Job:
         self._call(self.queue.put_nowait, last)
 
     def _released(self, seconds: float) -> None:
-        self.server.scheduler.cancels.discard(self.cancel)
+        self.server.scheduler.jobs.discard(self)
         self.server.scheduler.release(seconds)
 
     def start(self) -> None:
-        self.server.scheduler.cancels.add(self.cancel)
+        self.server.scheduler.jobs.add(self)
         self.thread.start()
+
+    def unfinished(self, outcome: Outcome) -> RequestError:
+        """What a decode stopped before its end (and not by a stop string) is answered with: never a
+        normal finish_reason. Cut by shutdown: 503 (retry elsewhere or later); otherwise its client
+        went away and nobody reads it."""
+        n = len(outcome.tokens)
+        if self.cut:
+            self.server.cut_answers += 1
+            err = self.server.scheduler.shutting_down(f"the server shut down before this answer was complete: it "
+                                                      f"was cut after {n} tokens; retry")
+        else:
+            err = RequestError(f"the request was cancelled after {n} tokens", status=499, kind="server_error",
+                               code="cancelled")
+        err.counted = True  # requests_total{finish="cut" | "cancelled"} counts it already
+        return err
 
     async def events(self, gone=None):
         """("delta", text) as tokens arrive, then ("done", Outcome); `gone`: an async check, polled
@@ -141,6 +142,8 @@ class Job:
                     if self.text.stopped:
                         self.cancel.set()  # the rest would be cut anyway
                 elif kind == "done":
+                    if value.finish == "cancelled":
+                        raise self.unfinished(value)
                     delta = self.text.push([], final=True)
                 else:
                     raise value
@@ -157,15 +160,36 @@ class Server:
     def __init__(self, engine: Engine, limits: Limits = Limits()):
         self.engine, self.limits = engine, limits
         self.scheduler = Scheduler(limits.max_queue)
-        self.metrics = Metrics()
+        self.metrics = Metrics(keep={*engine.named, engine.default.label})
         self.created = int(time.time())
+        self.cut_answers = 0  # answers cut by the shutdown (reported as cut)
+        # parsing and tokenising, off the event loop; one at a time bounds their memory
+        self.prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taps-prepare")
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.engine.model_id, "object": "model", "created": self.created,
                                             "owned_by": "taps", "taps": self.engine.describe()}]}
 
+    def _most_prompt_tokens(self) -> int:
+        return self.limits.max_prompt_tokens or self.engine.context_window - 1
+
+    def _too_long(self, param: str, what: str) -> RequestError:
+        most, window = self._most_prompt_tokens(), self.engine.context_window
+        return RequestError(f"the prompt ({param}) has {what}; this server takes at most {most} tokens (the "
+                            f"target's context window is {window})", param=param, code="context_length_exceeded")
+
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], str]:
         engine, param = self.engine, "messages" if request.chat else "prompt"
+        most = self._most_prompt_tokens()
+        if isinstance(request.prompt, list) and not request.chat:
+            if len(request.prompt) > most:
+                raise self._too_long(param, f"{len(request.prompt)} tokens")
+        else:  # text: a prompt of more characters than `most` tokens can hold is refused untokenised
+            chars = len(request.prompt) if isinstance(request.prompt, str) else \
+                sum(len(m["content"]) for m in request.prompt)
+            if chars > most * engine.max_token_chars:
+                raise self._too_long(param, f"{chars:,} characters, more than {most} tokens of at most "
+                                            f"{engine.max_token_chars} characters each can hold")
         if request.chat:
             try:
                 ids = engine.chat_prompt(request.prompt)
@@ -185,10 +209,8 @@ class Server:
 
     def _sampling(self, request: GenerationRequest, prompt: list[int], param: str) -> Sampling:
         window = self.engine.context_window
-        most = self.limits.max_prompt_tokens or window - 1
-        if len(prompt) > most:
-            raise RequestError(f"the prompt ({param}) has {len(prompt)} tokens; this server takes at most {most} "
-                               f"(the target's context window is {window})", param=param, code="context_length_exceeded")
+        if len(prompt) > self._most_prompt_tokens():
+            raise self._too_long(param, f"{len(prompt)} tokens")
         room = window - len(prompt)
         asked = request.max_tokens
         if asked is not None and asked > self.limits.max_tokens:
@@ -201,12 +223,8 @@ class Server:
         return Sampling(max_tokens=asked or min(self.limits.max_tokens, room), temperature=request.temperature,
                         top_p=request.top_p, seed=request.seed)
 
-    async def generate(self, http: Request, chat: bool):
-        arrived = time.perf_counter()
-        raw = await http.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise RequestError(f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", param="body",
-                               status=413)
+    def _prepare(self, raw: bytes, chat: bool):
+        """The request checked, its variant and its prompt's tokens (in the prepare thread)."""
         body = parse_json(raw)
         request = parse_chat(body) if chat else parse_completion(body)
         if request.model != self.engine.model_id:
@@ -218,8 +236,15 @@ class Server:
         except VariantError as err:
             raise RequestError(str(err), param="taps.variant", code="unknown_variant") from None
         prompt, param = self._prompt(request)
-        sampling = self._sampling(request, prompt, param)
-        await self.scheduler.acquire()
+        return request, variant, prompt, self._sampling(request, prompt, param)
+
+    async def generate(self, http: Request, chat: bool):
+        arrived = time.perf_counter()
+        raw = await read_body(http)
+        loop = asyncio.get_running_loop()
+        request, variant, prompt, sampling = await loop.run_in_executor(self.prepare_pool, self._prepare, raw, chat)
+        del raw
+        await self.scheduler.acquire(http.client.host if http.client else "?")
         try:
             job = Job(self, request, prompt, variant, sampling, "chat" if chat else "completions", arrived)
             job.start()
@@ -249,25 +274,69 @@ class Server:
                 if request.include_usage:
                     yield chunk(request, rid, model, use=usage(outcome, job.variant))
         except Exception as err:  # the status is sent already: the error goes into the stream
-            yield f"data: {json.dumps(_internal(err).body())}\n\n"
+            error = err if isinstance(err, RequestError) else _internal(err)
+            yield f"data: {json.dumps(error.body())}\n\n"
         yield DONE
 
-    async def shutdown(self) -> None:
-        """Refuse new requests, stop running decodes at their next step, wait for them (a few seconds)."""
+    def begin_shutdown(self, timeout: float) -> None:
+        """Shutdown starts (on the event loop): new requests get 503; running and queued ones have
+        `timeout` seconds to finish, then what is left is cut (Scheduler.cut)."""
         self.scheduler.closing = True
-        for cancel in list(self.scheduler.cancels):
-            cancel.set()
+        asyncio.get_running_loop().call_later(timeout, self.scheduler.cut)
+
+    async def shutdown(self) -> None:
+        """The end of shutdown: cut what still runs, wait for it (a few seconds), say what was cut."""
+        self.scheduler.cut()
         for _ in range(100):
             if not self.scheduler.running:
                 break
             await asyncio.sleep(0.05)
+        self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.cut_answers:
+            LOG.warning(f"taps serve: shut down; cut {self.cut_answers} answer(s) short of their end, each reported "
+                        "as cut (503, or an error event in its stream)")
+
+
+async def read_body(http: Request) -> bytes:
+    """The request body, refused (413) as soon as it is known to pass MAX_BODY_BYTES: by its
+    Content-Length, or while it streams in."""
+    def too_big(size: str) -> RequestError:
+        return RequestError(f"the request body has {size} bytes; the limit is {MAX_BODY_BYTES}", param="body",
+                            status=413)
+
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big(declared)
+    parts, size = [], 0
+    async for part in http.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big(f"more than {MAX_BODY_BYTES}")
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _internal(err: BaseException) -> RequestError:
     return RequestError(f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error")
 
 
-def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
+def guarded(handler):
+    """An endpoint whose unexpected errors become RequestError 500s: answered by the app's own
+    handler, which keeps the connection open (an exception left to Starlette's last-resort handler
+    is re-raised to uvicorn, which drops the keep-alive connection)."""
+    @functools.wraps(handler)
+    async def run(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except (RequestError, HTTPException):
+            raise
+        except Exception as err:
+            LOG.exception("taps serve: internal error")
+            raise _internal(err) from err
+    return run
+
+
+def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = None) -> FastAPI:
     server = Server(engine, limits)
 
     @asynccontextmanager
@@ -277,9 +346,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
     app = FastAPI(title="taps serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.taps = server
+    if api_key is not None:
+        app.add_middleware(BearerKey, key=api_key, rejected=server.metrics.reject)
 
     def error(err: RequestError) -> JSONResponse:
-        server.metrics.reject(err.status)
+        if not getattr(err, "counted", False):
+            server.metrics.reject(err.status)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestError)
@@ -294,10 +366,11 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                                   headers=dict(err.headers or {})))
 
     @app.exception_handler(Exception)
-    async def _bug(request: Request, err: Exception):
+    async def _bug(request: Request, err: Exception):  # outside an endpoint (guarded catches those)
         return error(_internal(err))
 
     @app.get("/v1/models")
+    @guarded
     async def models():
         return server.models()
 
@@ -306,14 +379,17 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         return {"status": "shutting_down" if server.scheduler.closing else "ok"}
 
     @app.post("/v1/chat/completions")
+    @guarded
     async def chat_completions(request: Request):
         return await server.generate(request, chat=True)
 
     @app.post("/v1/completions")
+    @guarded
     async def completions(request: Request):
         return await server.generate(request, chat=False)
 
     @app.get("/metrics")
+    @guarded
     async def metrics():
         s = server.scheduler
         page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned())
@@ -322,20 +398,41 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, its shutdown preceded by the app's drain (Server.begin_shutdown): uvicorn
+    stops accepting connections, the app answers new requests 503, lets running and queued ones
+    finish for `drain_s` seconds, then cuts the rest and reports them as cut. uvicorn's own
+    deadline comes CUT_GRACE_S later, so those answers go out before it drops connections."""
+
+    def __init__(self, app, drain_s: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + CUT_GRACE_S, **config))
+        self.drain_s = drain_s
+        self.taps = _taps_server(app)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.taps is not None:
+            self.taps.begin_shutdown(self.drain_s)
+        await super().shutdown(sockets)
+
+
+def _taps_server(app) -> Server | None:
+    """The Server under `app` (which may be wrapped in ASGI middleware exposing `.app`)."""
+    while app is not None and not hasattr(getattr(app, "state", None), "taps"):
+        app = getattr(app, "app", None)
+    return None if app is None else app.state.taps
+
+
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
         log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM: then stop accepting, let running requests finish for up to
-    `shutdown_timeout` seconds, cancel the rest, and return."""
+    """Serve until SIGINT / SIGTERM: then drain (DrainingServer: running requests may finish for up
+    to `shutdown_timeout` seconds, the rest is cut and reported as cut), and return."""
     import signal
-
-    import uvicorn
 
     # uvicorn shuts down gracefully on the signal, then raises it again for the handler it found;
     # this one lets the command return (exit code 0) instead of dying of it after a clean shutdown
     done = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                      timeout_graceful_shutdown=shutdown_timeout)).run()
+        DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=log_level).run()
     finally:
         for sig, handler in done.items():
             signal.signal(sig, handler)
@@ -344,11 +441,9 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeou
 @contextmanager
 def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0):
     """Serve `app` from a background thread (tests, benchmarks, notebooks) until the block ends;
-    yields (the uvicorn server, its base URL). Port 0: a free port, chosen by the system."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=shutdown_timeout))
+    yields (the uvicorn server, its base URL). Port 0: a free port, chosen by the system. Setting
+    the server's `should_exit` drains it as SIGTERM would."""
+    server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True, name="taps-serve")
     thread.start()
     while not server.started:
@@ -360,4 +455,4 @@ def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeo
         yield server, f"http://{host}:{port}"
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(30 + shutdown_timeout)

@@ -26,11 +26,13 @@ every request's proposer reads and updates it, and `learned()` reports it for /m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from taps.decode import StepStats, chat_ids, generate, reply_text
@@ -110,7 +112,7 @@ class Engine:
         if target.tokenizer is None:
             raise ValueError("the target has no tokenizer; taps serve needs one to read prompts and write text")
         self.target, self.speculation, self.tree = target, speculation, speculation.tree
-        self.model_id = model_id or getattr(target, "name", None) or "taps-target"
+        self.model_id = model_id or short_name(getattr(target, "name", None) or "taps-target")
         names = [n for n, _ in drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"--drafter names must be distinct, got {', '.join(names)}; name them NAME=DIR")
@@ -156,6 +158,13 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.target.vocab_size
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry: byte-level
+        entries have one character per byte): a text longer than n times this has more than n
+        tokens, so the server refuses it without tokenising it."""
+        return max(len(entry) for entry in self.target.tokenizer.get_vocab())
 
     def describe(self) -> dict:
         return {"drafters": list(self.drafters), "variants": sorted(self.named), "default_variant": self.default.label,
@@ -253,6 +262,12 @@ def decision_record(variant: Variant, index: int, step: StepStats) -> dict:
     if info.route_prior is not None:
         record.update(prior=[round(x, 6) for x in info.route_prior], context=names[info.route_context])
     return record
+
+
+def short_name(name: str) -> str:
+    """The model id a server shows for a target loaded from `name`: a path's last component (no
+    directories of the server's disk in /v1/models), a known name as it is."""
+    return Path(name.rstrip("/\\")).name or name
 
 
 def _named_spec(text: str) -> tuple[str, str]:

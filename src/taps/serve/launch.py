@@ -7,7 +7,10 @@ the other commands do not need them.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ from taps.config import SpeculationConfig, setting
 from taps.serve.engine import Engine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+API_KEY_ENV = "TAPS_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -22,8 +26,11 @@ class ServeSettings:
     # `taps serve`'s server options (cli_args.add_settings)
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)")
     port: int = setting(8000, "port to listen on (1..65535)")
-    served_model_name: str | None = setting(None, "the model id of /v1/models and requests (default: --target as "
-                                                  "given)")
+    served_model_name: str | None = setting(None, "the model id of /v1/models and requests (default: the "
+                                                  "target's short name: its directory's or file's name)")
+    api_key: str | None = setting(None, "clients must send Authorization: Bearer KEY on every endpoint but /health "
+                                        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+                                        "neither: no key)")
     max_queue: int = setting(16, "requests that may wait for the decoder (>= 0); beyond them: 429 with Retry-After")
     max_tokens: int = setting(2048, "the most tokens a request may ask for (also its default, within the context "
                                     "window)", at_least=1)
@@ -39,6 +46,37 @@ class ServeSettings:
             raise ValueError(f"--port must be a port number 1..65535, got {self.port}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
+        check_key(self.api_key, "--api-key")
+
+
+def check_key(key: str | None, where: str) -> None:
+    if key is not None and (not key or any(c.isspace() for c in key)):
+        raise ValueError(f"{where} must be a non-empty token without spaces (what clients send after "
+                         "'Authorization: Bearer ')")
+
+
+def api_key(settings: ServeSettings) -> str | None:
+    """--api-key, else $TAPS_API_KEY (set and not empty), else None."""
+    if settings.api_key is not None:
+        return settings.api_key
+    key = os.environ.get(API_KEY_ENV) or None
+    check_key(key, f"${API_KEY_ENV}")
+    return key
+
+
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """The loud warning for a server that listens beyond the loopback without a key."""
+    if key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to anything
+        pass
+    bar = "!" * 100
+    return (f"{bar}\nWARNING: taps serve listens on {host} WITHOUT AN API KEY: anyone who can reach this port can "
+            "decode with the model,\nread /metrics and keep the decoder busy. Set one with --api-key KEY or, "
+            f"better (kept out of the process list), ${API_KEY_ENV}.\n{bar}")
 
 
 def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
@@ -50,6 +88,7 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
         from taps.serve.app import Limits, create_app, run
     except ImportError as err:
         raise ValueError(f"taps serve needs the serve extra ({err}); install it with pip install 'taps[serve]'") from None
+    key = api_key(settings)
     limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens)
     engine = Engine.load(target, drafters, variants, speculation, device=device, dtype=dtype,
@@ -63,4 +102,8 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     announce(f"taps serve: {engine.model_id} on http://{settings.host}:{settings.port}/v1 (drafters: "
              f"{', '.join(engine.drafters) or 'none'}; default variant: {engine.default.label}); one request decodes "
              f"at a time, {settings.max_queue} may wait")
-    run(create_app(engine, limits), settings.host, settings.port, settings.shutdown_timeout, settings.log_level)
+    warning = exposure_warning(settings.host, key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    run(create_app(engine, limits, api_key=key), settings.host, settings.port, settings.shutdown_timeout,
+        settings.log_level)

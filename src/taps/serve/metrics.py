@@ -8,6 +8,11 @@ position{0} = steps); for compositions, steps per head; for routed variants, dec
 for route-bandit variants, what they learned (per context and head: rewarded pulls and mean tokens
 per verifier call, read from the engine when /metrics is asked). Server-wide: rejected requests by status,
 end-to-end request seconds, the queue. Written by hand: no client library needed.
+
+Bounded: requests choose their variants (any spec of the grammar, with member names of their own),
+so beyond the server's own variants only the first MAX_VARIANTS ad-hoc ones get series of their
+own; later ones are counted under variant="other" (their heads under head="other"), and the page
+stops growing.
 """
 
 from __future__ import annotations
@@ -66,8 +71,12 @@ class _Family:
 
 
 class Metrics:
-    def __init__(self):
+    MAX_VARIANTS = 32  # ad-hoc variants with series of their own
+
+    def __init__(self, keep=()):
+        """`keep`: the server's own variant labels, which always have series of their own."""
         self._lock = threading.Lock()
+        self._keep, self._adhoc = set(keep), set()
         f = self._families = {}
         for name, kind, help_text, buckets in [
             ("requests_total", "counter", "finished requests by endpoint, variant and finish reason", ()),
@@ -97,15 +106,25 @@ class Metrics:
         ]:
             f[name] = _Family("taps_" + name, kind, help_text, buckets)
 
+    def _variant(self, label: str) -> str:
+        """`label`, or "other" once MAX_VARIANTS ad-hoc labels have series (call under the lock)."""
+        if label in self._keep or label in self._adhoc:
+            return label
+        if len(self._adhoc) < self.MAX_VARIANTS:
+            self._adhoc.add(label)
+            return label
+        return "other"
+
     def reject(self, status: int) -> None:
         with self._lock:
             self._families["rejected_requests_total"].add({"status": str(status)})
 
     def finished(self, endpoint: str, variant, outcome, finish: str, seconds: float) -> None:
         """One decoded request (stopped or cancelled too): its tokens, steps and timings."""
-        v = {"variant": variant.label}
         f = self._families
         with self._lock:
+            v = {"variant": self._variant(variant.label)}
+            other = v["variant"] == "other"
             f["requests_total"].add({"endpoint": endpoint, **v, "finish": finish})
             f["request_duration_seconds"].add({"endpoint": endpoint}, seconds)
             f["prompt_tokens_total"].add(v, outcome.prompt_tokens)
@@ -126,13 +145,14 @@ class Metrics:
                     f["draft_position_accepted_total"].add({**v, "position": str(d)})
             if variant.composition:
                 for head in outcome.heads:
-                    f["head_steps_total"].add({**v, "head": head or "none"})
+                    f["head_steps_total"].add({**v, "head": "other" if other else head or "none"})
             for decision in outcome.decisions:
-                f["route_decisions_total"].add({**v, "head": decision["head"]})
+                f["route_decisions_total"].add({**v, "head": "other" if other else decision["head"]})
 
     def failed(self, endpoint: str, variant_label: str, seconds: float) -> None:
         with self._lock:
-            self._families["requests_total"].add({"endpoint": endpoint, "variant": variant_label, "finish": "error"})
+            self._families["requests_total"].add({"endpoint": endpoint, "variant": self._variant(variant_label),
+                                                  "finish": "error"})
             self._families["request_duration_seconds"].add({"endpoint": endpoint}, seconds)
 
     def render(self, waiting: int, running: int, limit: int, learned: list[dict] = ()) -> str:
@@ -140,6 +160,8 @@ class Metrics:
         with self._lock:
             f = self._families
             for row in learned:
+                if self._variant(row["variant"]) == "other":
+                    continue  # a gauge per context and head of a variant without series of its own: none
                 labels = {"variant": row["variant"], "context": row["context"], "head": row["head"]}
                 f["bandit_pulls"].set(labels, row["pulls"])
                 if row["tokens_per_call"] is not None:

@@ -4,7 +4,9 @@ Every mistake in a request raises `RequestError` naming the field (`param`, e.g.
 or `taps.variant`); the app answers it as `{"error": {"message", "type", "param", "code"}}` with its
 status (400 unless said). Fields the server does not use (`user`, `presence_penalty`, ...) are
 ignored, as OpenAI-compatible servers do; fields asking for what it cannot do (`n` > 1, `tools`,
-`logprobs`) are refused rather than silently dropped.
+`logprobs`) are refused rather than silently dropped. A string that is not valid Unicode (a lone
+surrogate such as "\\ud800", which JSON can spell) is refused wherever it is, before any field is
+read: the tokenizer and the JSON encoder of the answer would fail on it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 4
-FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length"}  # a cut answer has none
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # a signed 64-bit integer, as OpenAI's API takes it
 
 
 class RequestError(Exception):
@@ -52,11 +55,43 @@ class GenerationRequest:
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"the request body is not valid JSON ({err})", param="body", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:  # ValueError: JSONDecodeError, > 4300 digits
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:200]
+        raise RequestError(f"the request body is not valid JSON ({why})", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_kind(body)}", param="body")
+    where = _not_unicode(body)
+    if where is not None:
+        raise RequestError(f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                           "\\ud800-\\udfff escape)", param=where, code="invalid_unicode")
     return body
+
+
+def _not_unicode(body: dict) -> str | None:
+    """The path (e.g. `messages[0].content`; `body` for a key) of a string holding a lone
+    surrogate; None if there is none. Iterative: the nesting may be as deep as JSON allows."""
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not (value.isascii() or _encodes(value)):
+                return where
+        elif isinstance(value, dict):
+            if not all(_encodes(key) for key in value):
+                return where or "body"
+            stack += [(item, f"{where}.{key}" if where else key) for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value)))
+                      if isinstance(item, (str, dict, list))]
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _kind(value) -> str:
@@ -94,6 +129,14 @@ def _integer(body: dict, key: str, low: int | None = None) -> int | None:
     if low is not None and value < low:
         raise RequestError(f"{key} must be >= {low}, got {value}", param=key)
     return value
+
+
+def _seed(body: dict) -> int:
+    seed = _integer(body, "seed")
+    low, high = SEED_RANGE
+    if seed is not None and not low <= seed <= high:
+        raise RequestError(f"seed must be a 64-bit signed integer, in [{low}, {high}], got {seed}", param="seed")
+    return seed or 0
 
 
 def _boolean(body: dict, key: str, where: str | None = None) -> bool:
@@ -163,7 +206,7 @@ def _common(body: dict, chat: bool, prompt: object) -> GenerationRequest:
     return GenerationRequest(
         model=model, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
-        seed=_integer(body, "seed") or 0, stop=_stop(body), stream=_boolean(body, "stream"),
+        seed=_seed(body), stop=_stop(body), stream=_boolean(body, "stream"),
         include_usage=include_usage, variant=_taps_options(body))
 
 
