@@ -33,6 +33,7 @@ from taps.data.chat import encode_conversation
 from taps.identity import MismatchError, check_same
 from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
+from taps.outputs import check_output_dir
 from taps.target import Target
 
 MANIFEST = "manifest.json"
@@ -135,8 +136,7 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
         raise FeaturesError(f"unknown dtype {settings.dtype!r}; expected one of {', '.join(_DTYPES)}")
     data, out = Path(data), Path(out)
     records = read_conversations(data)
-    if out.exists() and not out.is_dir():
-        raise FeaturesError(f"--out {out}: is a file; expected a features directory")
+    check_output_dir(out, "features", inputs=[("--data", data)])  # resumed, never another kind of result
     manifest_path = out / MANIFEST
     if manifest_path.is_file():  # a finished directory is only read: several processes may share it
         manifest = _open_manifest(out, target, data, settings, len(records))

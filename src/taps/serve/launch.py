@@ -7,7 +7,9 @@ the other commands do not need them.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,26 @@ class ServeSettings:
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind (host, port) once and let go, as uvicorn will (SO_REUSEADDR): a port in use or a host
+    that is not this machine's is one line naming --port or --host, not a traceback after the
+    model has loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise ValueError(f"--host {host}: not an address of this machine ({err.strerror or err})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                                 "choose another --port") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+
+
 def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
           settings: ServeSettings = ServeSettings(), tree: TreeConfig = TreeConfig(), auto_tree: bool = False,
           device: str = "auto", dtype: str = "auto", announce: Callable[[str], None] = print) -> None:
@@ -52,6 +74,7 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
         raise ValueError(f"taps serve needs the serve extra ({err}); install it with pip install 'taps[serve]'") from None
     limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens)
+    check_address(settings.host, settings.port)  # before the model loads: a busy port fails in a second
     engine = Engine.load(target, drafters, variants, tree, auto_tree=auto_tree, device=device, dtype=dtype,
                          attn_implementation=settings.attn, model_id=settings.served_model_name)
     log = logging.getLogger("taps.serve")  # the routing decisions (engine.ROUTING_LOG), at --log-level
