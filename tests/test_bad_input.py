@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -83,6 +84,12 @@ def ws(tmp_path_factory):
     for argv in steps:
         assert main(argv) == 0, argv
     os.mkfifo(ws / "fifo")
+    (ws / "bench" / "gsm8k").mkdir(parents=True)  # the drafter table's benchmarks, one question each
+    (ws / "bench" / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    (ws / "bench" / "mt_bench").mkdir()
+    shutil.copy(ws / "q.jsonl", ws / "bench" / "mt_bench" / "question.jsonl")
+    (ws / "heads").mkdir()
+    shutil.copytree(ws / "d", ws / "heads" / "d")
     (ws / "link.jsonl").symlink_to(ws / "data2.jsonl")
     shutil.copytree(ws / "d", ws / "d-nan")  # a head whose weights diverged
     from safetensors.torch import load_file, save_file
@@ -352,6 +359,10 @@ CASES = [
     ("eval-into-features", EVAL + ["--out", "{ws}/feat"], ["--out {ws}/feat", "holds a features"]),
     ("report-into-its-results", ["report", "{ws}/results", "--out", "{ws}/results"],
      ["--out {ws}/results", "RESULTS_DIR"]),
+    ("drafter-table-out-is-a-features-manifest", ["drafter", "table", "--target", T, "--drafters", "{ws}/heads",
+                                                  "--data-dir", "{ws}/bench", "--n", "1", "--temperatures", "0",
+                                                  "--max-new-tokens", "2", "--out", "{ws}/feat/manifest"],
+     ["--out {ws}/feat/manifest.json", "a drafter table"]),
     # numbers that parse but mean nothing
     ("generate-temperature-nan", GEN + ["--temperature", "nan"], ["--temperature", "nan"]),
     ("generate-temperature-inf", GEN + ["--temperature", "inf"], ["--temperature", "inf"]),
@@ -567,6 +578,19 @@ def test_force_replaces_a_result_and_leaves_nothing_beside_it(ws, tmp_path, caps
     assert main([a.replace("{ws}", str(ws)) for a in TRAIN] + ["--out", str(head), "--force"]) == 0
     assert (head / "ckpt").is_dir()
     assert sorted(p.name for p in tmp_path.rglob("*") if ".tmp" in p.name) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node takes root")
+def test_a_device_is_never_written_over(ws, tmp_path, capsys):
+    """As root, writing "into" /dev/full replaced the device with a regular file; a device node of
+    our own (/dev/null's numbers) stands in for it here."""
+    device = tmp_path / "full"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    for argv in (["data", "mix", "--source", f"messages:{ws / 'data.jsonl'}", "--out", str(device)],
+                 ["data", "mix", "--source", f"messages:{ws / 'data.jsonl'}", "--out", str(device), "--force"]):
+        code, output = run_cli(argv, capsys)
+        assert code == 2 and f"--out {device}: a device" in output and "Traceback" not in output
+    assert device.is_char_device()
 
 
 # ---- leftovers: orphaned workers, resumed logs, a resume with nothing to resume ----------------

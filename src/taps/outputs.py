@@ -23,7 +23,6 @@ from pathlib import Path
 RESULT_MARKERS = (
     ("datastore.json", "datastore"),
     ("run.json", "eval results"),
-    ("records.jsonl", "eval results"),
     ("manifest.json", "features"),
     ("report.md", "report"),
     ("ckpt", "drafter"),
