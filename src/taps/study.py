@@ -126,12 +126,15 @@ def _integer(source: str, key: str, value, low: int, high: int | None = None) ->
     return value
 
 
-def _numbers(source: str, key: str, value) -> list[float]:
-    """A config list of finite numbers, or an error naming the key."""
-    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              and math.isfinite(v) for v in value):
-        raise StudyConfigError(f"{source}: {key} must be a list of finite numbers, got {value!r}")
-    return [float(v) for v in value]
+def _numbers(source: str, key: str, value, one: bool = False) -> list[float]:
+    """A config list of finite numbers (one: a single number, as a list of one), or an error
+    naming the key."""
+    values = [value] if one else value
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               and math.isfinite(v) for v in values):
+        raise StudyConfigError(f"{source}: {key} must be {'a finite number' if one else 'a list of finite numbers'}, "
+                               f"got {value!r}")
+    return [float(v) for v in values]
 
 
 def _strings(source: str, key: str, value) -> list[str]:
@@ -220,7 +223,7 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
         settings = EvalSettings(temperatures=tuple(_numbers(source, "eval.temperatures", ev.get("temperatures", [0.0]))),
                                 max_new_tokens=_integer(source, "eval.max_new_tokens", ev.get("max_new_tokens", 512), 1),
                                 seed=_integer(source, "eval.seed", ev.get("seed", 0), 0, SEED_LIMIT),
-                                tree=TreeConfig(**tree), top_p=_numbers(source, "eval.top_p", [ev.get("top_p", 1.0)])[0],
+                                tree=TreeConfig(**tree), top_p=_numbers(source, "eval.top_p", ev.get("top_p", 1.0), one=True)[0],
                                 auto_tree=mode == "auto")
     except (TypeError, ValueError) as err:
         if isinstance(err, StudyConfigError):

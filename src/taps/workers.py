@@ -43,8 +43,9 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent t
 
 def die_with_parent(parent: int) -> None:
     """End this process when `parent` ends, however it ends (kill -9 included): on Linux the
-    kernel sends SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent id. A
-    parent already gone by now ends it at once."""
+    kernel sends SIGKILL (prctl PR_SET_PDEATHSIG; it watches the thread that started the worker,
+    so start workers from a thread that waits for them, as join does); elsewhere a thread watches
+    the parent id. A parent already gone by now ends it at once."""
     armed = False
     if sys.platform.startswith("linux"):
         try:
