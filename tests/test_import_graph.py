@@ -1,8 +1,8 @@
 """The package reads top-down: no module imports one of a higher layer, and no import cycle.
 
 Layers, lowest first (docs/architecture.md):
-  core     config, jsonl, outlock, outputs, identity, stopwatch, workers, tree, verify, kv, target_source, target, trace,
-           decode, testing, and propose/base.py (the Proposer protocol: all that decode.py knows of drafting)
+  core     config, jsonl, outlock, outputs, identity, stopwatch, workers, tree, verify, kv, target_source, target,
+           trace, decode, testing, and propose/base.py (the Proposer protocol: all that decode.py knows of drafting)
   drafter  drafter/*: the EAGLE head, its tree expansion, checkpoints; profile.py (auto-tree costs)
   propose  propose/*: the composition grammar (spec), single, routed, merged, lookup proposers, the factory
   data     data/*: readers, mixtures, chat encoding, regeneration, features

@@ -219,15 +219,14 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     mode = tree.pop("mode", "fixed")
     if mode not in ("fixed", "auto"):
         raise StudyConfigError(f"{source}: eval.tree.mode must be fixed or auto, got {mode!r}")
+    temperatures = _numbers(source, "eval.temperatures", ev.get("temperatures", [0.0]))
+    max_new_tokens = _integer(source, "eval.max_new_tokens", ev.get("max_new_tokens", 512), 1)
+    seed = _integer(source, "eval.seed", ev.get("seed", 0), 0, SEED_LIMIT)
+    top_p = _numbers(source, "eval.top_p", ev.get("top_p", 1.0), one=True)[0]
     try:
-        settings = EvalSettings(temperatures=tuple(_numbers(source, "eval.temperatures", ev.get("temperatures", [0.0]))),
-                                max_new_tokens=_integer(source, "eval.max_new_tokens", ev.get("max_new_tokens", 512), 1),
-                                seed=_integer(source, "eval.seed", ev.get("seed", 0), 0, SEED_LIMIT),
-                                tree=TreeConfig(**tree), top_p=_numbers(source, "eval.top_p", ev.get("top_p", 1.0), one=True)[0],
-                                auto_tree=mode == "auto")
+        settings = EvalSettings(temperatures=tuple(temperatures), max_new_tokens=max_new_tokens, seed=seed,
+                                tree=TreeConfig(**tree), top_p=top_p, auto_tree=mode == "auto")
     except (TypeError, ValueError) as err:
-        if isinstance(err, StudyConfigError):
-            raise
         raise StudyConfigError(f"{source}: eval: {err}") from None
     benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
     if isinstance(benches, str):
