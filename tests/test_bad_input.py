@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -75,8 +80,23 @@ def ws(tmp_path_factory):
               f"toy={ws / 'q.jsonl'}", "--out", str(ws / "results"), "--max-new-tokens", "4", "--device", "cpu",
               "--total-tokens", "6", "--depth", "2", "--top-k", "2", "--no-progress"]]
     steps.append(["lookup", "build", "--records", str(ws / "data.jsonl"), "--target", t, "--out", str(ws / "ds")])
+    steps.append(["data", "mix", "--source", f"messages:{ws / 'data.jsonl'}", "--out", str(ws / "mixed-before.jsonl")])
     for argv in steps:
         assert main(argv) == 0, argv
+    os.mkfifo(ws / "fifo")
+    (ws / "bench" / "gsm8k").mkdir(parents=True)  # the drafter table's benchmarks, one question each
+    (ws / "bench" / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    (ws / "bench" / "mt_bench").mkdir()
+    shutil.copy(ws / "q.jsonl", ws / "bench" / "mt_bench" / "question.jsonl")
+    (ws / "heads").mkdir()
+    shutil.copytree(ws / "d", ws / "heads" / "d")
+    (ws / "link.jsonl").symlink_to(ws / "data2.jsonl")
+    shutil.copytree(ws / "d", ws / "d-nan")  # a head whose weights diverged
+    from safetensors.torch import load_file, save_file
+    weights = load_file(ws / "d-nan" / "model.safetensors")
+    weights["fc.weight"][0, 0] = float("nan")
+    save_file(weights, ws / "d-nan" / "model.safetensors", metadata={"format": "pt"})
+    write_study_configs(ws)
     shutil.copytree(ws / "ds", ws / "ds-other")  # a datastore of another tokenizer
     manifest = json.loads((ws / "ds-other" / "datastore.json").read_text())
     (ws / "ds-other" / "datastore.json").write_text(json.dumps({**manifest, "target": "other-model",
@@ -87,7 +107,73 @@ def ws(tmp_path_factory):
     tokens = bytearray((ws / "ds-cut" / "tokens.npy").read_bytes())
     tokens[-8] ^= 1
     (ws / "ds-cut" / "tokens.npy").write_bytes(bytes(tokens))
+    shutil.copytree(ws / "ds", ws / "ds-stale")  # tokens changed after the index was built from them
+    assert list((ws / "ds-stale").glob("index-*.npy"))
+    (ws / "ds-stale" / "tokens.npy").write_bytes(bytes(tokens))
     return ws
+
+
+STUDY = """name: s
+out: {ws}/study
+target: {{path: {ws}/tgt}}
+drafters: {{out: {ws}}}
+variants: {{base: baseline}}
+eval: {{bench: [toy={ws}/q.jsonl], device: cpu{eval}}}
+"""
+STUDY_CONFIGS = {  # name: (eval keys, extra top-level lines)
+    "nan-temperature": (", max_new_tokens: 4, temperatures: [0, .nan]", ""),
+    "limit-abc": (", max_new_tokens: 4, limit: abc", ""),
+    "max-new-tokens-0": (", max_new_tokens: 0", ""),
+    "seed-1e23": (", max_new_tokens: 4, seed: 1e23", ""),
+    "categories-string": (", max_new_tokens: 4, categories: writing", ""),
+    "lambdas-string": (", max_new_tokens: 4", "lambdas: '0.5'\n"),
+    "backbones-string": (", max_new_tokens: 4", "backbones: eagle2\n"),
+    "duplicate-key": (", max_new_tokens: 4", "out: {ws}/elsewhere\n"),
+}
+
+
+def write_study_configs(ws: Path) -> None:
+    """One study config per mistake (STUDY_CONFIGS), and a binary file where a config should be."""
+    for name, (eval_keys, lines) in STUDY_CONFIGS.items():
+        text = STUDY.format(ws=ws, eval=eval_keys.replace("{ws}", str(ws))) + lines.replace("{ws}", str(ws))
+        (ws / f"{name}.yaml").write_text(text)
+    (ws / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+
+
+class _Endpoint(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint that answers nonsense: /bad-models lists models as a string,
+    /bad-chat answers a chat completion without choices."""
+
+    def _answer(self, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({"data": "abc"} if self.path.startswith("/bad-models") else {"data": [{"id": "m"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._answer({"choices": "abc"})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def net():
+    """A malformed endpoint ({url}) and a port some other program listens on ({port})."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    yield {"{url}": f"http://127.0.0.1:{server.server_address[1]}", "{port}": str(busy.getsockname()[1])}
+    server.shutdown()
+    busy.close()
 
 
 T, T2, CUT = "{ws}/tgt", "{ws}/tgt2", "{ws}/cut"
@@ -244,25 +330,115 @@ CASES = [
     ("drafter-table-n-0", ["drafter", "table", "--target", T, "--drafters", "{ws}", "--data-dir", "{ws}",
                            "--out", "{ws}/tx", "--n", "0"], ["--n"]),
     ("unknown-command", ["evaluate"], ["evaluate"]),
+    # outputs that would clobber: not a regular file, an input, another kind of result, a result without --force
+    ("mix-out-is-fifo", MIX + ["messages:{ws}/data.jsonl", "--out", "{ws}/fifo"], ["--out {ws}/fifo", "a FIFO"]),
+    ("mix-out-is-symlink", MIX + ["messages:{ws}/data.jsonl", "--out", "{ws}/link.jsonl"],
+     ["--out {ws}/link.jsonl", "symbolic link"]),
+    ("mix-out-is-its-source", ["data", "mix", "--source", "messages:{ws}/data.jsonl", "--out", "{ws}/data.jsonl"],
+     ["--out {ws}/data.jsonl", "the input --source messages:{ws}/data.jsonl"]),
+    ("mix-out-is-a-features-manifest", MIX + ["messages:{ws}/data.jsonl", "--out", "{ws}/feat/manifest.json"],
+     ["--out {ws}/feat/manifest.json", "something else"]),
+    ("mix-out-exists", MIX + ["messages:{ws}/data2.jsonl", "--out", "{ws}/mixed-before.jsonl"],
+     ["--out {ws}/mixed-before.jsonl", "--force"]),
+    ("drafter-init-over-a-drafter", ["drafter", "init", "--target", T, "--out", "{ws}/d", "--seed", "5"],
+     ["--out {ws}/d", "holds a drafter", "--force"]),
+    ("drafter-init-into-features", ["drafter", "init", "--target", T, "--out", "{ws}/feat"],
+     ["--out {ws}/feat", "holds a features"]),
+    ("train-over-a-drafter", TRAIN + ["--out", "{ws}/d2"], ["--out {ws}/d2", "--force"]),
+    ("train-resume-over-a-drafter", TRAIN + ["--out", "{ws}/d2", "--resume"], ["--out {ws}/d2", "--force"]),
+    ("train-into-eval-results", TRAIN + ["--out", "{ws}/results"], ["--out {ws}/results", "holds eval results"]),
+    ("average-out-is-an-input", AVG + ["--out", "{ws}/d"], ["--out {ws}/d", "the input --drafter a={ws}/d"]),
+    ("average-over-a-drafter", AVG + ["--out", "{ws}/run"], ["--out {ws}/run", "--force"]),
+    ("average-into-a-datastore", AVG + ["--out", "{ws}/ds"], ["--out {ws}/ds", "holds a datastore"]),
+    ("reduce-vocab-out-is-its-drafter", ["drafter", "reduce-vocab", "--drafter", "{ws}/d", "--features", "{ws}/feat",
+                                         "--size", "10", "--out", "{ws}/d"], ["--out {ws}/d", "the input --drafter"]),
+    ("regenerate-out-is-data", ["data", "regenerate", "--target", T, "--data", "{ws}/data.jsonl", "--out",
+                                "{ws}/data.jsonl", "--device", "cpu"], ["--out {ws}/data.jsonl", "the input --data"]),
+    ("features-into-eval-results", FEAT + ["--out", "{ws}/results"], ["--out {ws}/results", "holds eval results"]),
+    ("features-into-a-drafter", FEAT + ["--out", "{ws}/d"], ["--out {ws}/d", "holds a drafter"]),
+    ("eval-into-features", EVAL + ["--out", "{ws}/feat"], ["--out {ws}/feat", "holds a features"]),
+    ("report-into-its-results", ["report", "{ws}/results", "--out", "{ws}/results"],
+     ["--out {ws}/results", "RESULTS_DIR"]),
+    ("drafter-table-out-is-a-features-manifest", ["drafter", "table", "--target", T, "--drafters", "{ws}/heads",
+                                                  "--data-dir", "{ws}/bench", "--n", "1", "--temperatures", "0",
+                                                  "--max-new-tokens", "2", "--out", "{ws}/feat/manifest"],
+     ["--out {ws}/feat/manifest.json", "a drafter table"]),
+    # numbers that parse but mean nothing
+    ("generate-temperature-nan", GEN + ["--temperature", "nan"], ["--temperature", "nan"]),
+    ("generate-temperature-inf", GEN + ["--temperature", "inf"], ["--temperature", "inf"]),
+    ("generate-top-p-nan", GEN + ["--top-p", "nan"], ["--top-p", "nan"]),
+    ("generate-seed-beyond-2-63", GEN + ["--seed", str(2 ** 80)], ["--seed", str(2 ** 80)]),
+    ("eval-temperature-nan", EVAL + ["--out", "{ws}/ex", "--temperature", "0,nan"], ["--temperature", "0,nan"]),
+    ("eval-temperature-inf", EVAL + ["--out", "{ws}/ex", "--temperature", "inf"], ["--temperature", "inf"]),
+    ("train-lr-nan", TRAIN + ["--out", "{ws}/rx", "--lr", "nan"], ["--lr", "nan"]),
+    ("regenerate-temperature-nan", ["data", "regenerate", "--target", T, "--data", "{ws}/data.jsonl", "--out",
+                                    "{ws}/rg.jsonl", "--device", "cpu", "--temperature", "nan"],
+     ["--temperature", "nan"]),
+    # compositions, heads and datastores
+    ("generate-route-empty-member", GEN + ["--variant", "route:{ws}/d,,{ws}/d2"],
+     ["--variant route:{ws}/d,,{ws}/d2", "empty drafter"]),
+    ("eval-merge-trailing-comma", EVAL + ["--out", "{ws}/ex", "--variant", "m=merge-trie:{ws}/d,{ws}/d2,"],
+     ["--variant", "empty drafter"]),
+    ("generate-head-nan-weights", GEN + ["--drafter", "{ws}/d-nan"],
+     ["d-nan/model.safetensors", "fc.weight", "non-finite"]),
+    ("average-head-nan-weights", ["average", "--drafter", "a={ws}/d", "--drafter", "b={ws}/d-nan", "--out",
+                                  "{ws}/ax"], ["d-nan/model.safetensors", "non-finite"]),
+    ("generate-datastore-changed-under-its-index", GEN + ["--drafter", "{ws}/ds-stale"],
+     ["ds-stale/tokens.npy", "digest"]),
+    # study configs: --dry-run checks what the run checks
+    ("reproduce-temperature-nan", ["reproduce", "{ws}/nan-temperature.yaml", "--dry-run"],
+     ["nan-temperature.yaml", "eval.temperatures"]),
+    ("reproduce-limit-abc", ["reproduce", "{ws}/limit-abc.yaml", "--stages", "eval", "--no-progress"],
+     ["limit-abc.yaml", "eval.limit", "'abc'"]),
+    ("reproduce-dry-run-limit-abc", ["reproduce", "{ws}/limit-abc.yaml", "--dry-run"],
+     ["limit-abc.yaml", "eval.limit", "'abc'"]),
+    ("reproduce-dry-run-max-new-tokens-0", ["reproduce", "{ws}/max-new-tokens-0.yaml", "--dry-run"],
+     ["max-new-tokens-0.yaml", "eval.max_new_tokens", "0"]),
+    ("reproduce-seed-1e23", ["reproduce", "{ws}/seed-1e23.yaml", "--dry-run"], ["seed-1e23.yaml", "eval.seed", "1e23"]),
+    ("reproduce-categories-string", ["reproduce", "{ws}/categories-string.yaml", "--dry-run"],
+     ["categories-string.yaml", "eval.categories", "'writing'"]),
+    ("reproduce-lambdas-string", ["reproduce", "{ws}/lambdas-string.yaml", "--dry-run"],
+     ["lambdas-string.yaml", "lambdas", "'0.5'"]),
+    ("reproduce-backbones-string", ["reproduce", "{ws}/backbones-string.yaml", "--dry-run"],
+     ["backbones-string.yaml", "backbones", "'eagle2'"]),
+    ("reproduce-duplicate-key", ["reproduce", "{ws}/duplicate-key.yaml", "--dry-run"],
+     ["duplicate-key.yaml", "line 7", "'out'", "twice (first at line 2)"]),
+    ("reproduce-binary-config", ["reproduce", "{ws}/binary.yaml", "--dry-run"], ["binary.yaml", "UTF-8"]),
+    # servers: a malformed endpoint, a busy port
+    ("regenerate-endpoint-models-malformed", ["data", "regenerate", "--endpoint", "{url}/bad-models", "--data",
+                                              "{ws}/data.jsonl", "--out", "{ws}/rg.jsonl", "--retries", "0"],
+     ["{url}/bad-models/v1/models", '{"data": "abc"}']),
+    ("regenerate-endpoint-chat-malformed", ["data", "regenerate", "--endpoint", "{url}/bad-chat", "--data",
+                                            "{ws}/data.jsonl", "--out", "{ws}/rg.jsonl", "--retries", "0"],
+     ["{url}/bad-chat/v1/chat/completions", '{"choices": "abc"}']),
+    ("serve-port-in-use", ["serve", "--target", T, "--port", "{port}", "--device", "cpu"],
+     ["--port {port}", "in use"]),
 ]
 
 
 def test_the_suite_is_large_enough():
-    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 110 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def fill(text: str, ws: Path, net: dict[str, str]) -> str:
+    for key, value in {"{ws}": str(ws), **net}.items():
+        text = text.replace(key, value)
+    return text
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_a_mistake_exits_2_with_one_line_and_changes_nothing(case, ws, capsys):
+def test_a_mistake_exits_2_with_one_line_and_changes_nothing(case, ws, net, capsys):
     _, argv, culprits = case
     before = snapshot(ws)
-    code, output = run_cli([a.replace("{ws}", str(ws)) for a in argv], capsys)
+    code, output = run_cli([fill(a, ws, net) for a in argv], capsys)
     assert code == 2, output
     assert "Traceback" not in output, output
     errors = [line for line in output.splitlines() if "error:" in line]
     assert len(errors) == 1, output
     for culprit in culprits:
-        assert culprit.replace("{ws}", str(ws)) in errors[0], errors[0]
+        assert fill(culprit, ws, net) in errors[0], errors[0]
     assert snapshot(ws) == before  # earlier results byte-identical, nothing half-written beside them
+    assert (ws / "fifo").is_fifo() and (ws / "link.jsonl").is_symlink()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
@@ -383,3 +559,93 @@ def test_settings_that_cannot_change_the_content_do_not_block_a_resume(ws, tmp_p
     eval_argv.remove("--no-progress")
     assert main(eval_argv) == 0  # with a progress bar this time: nothing left to decode
     assert snapshot(ws) == before
+
+
+# ---- outputs: --force replaces a result, atomically --------------------------------------------
+
+def test_force_replaces_a_result_and_leaves_nothing_beside_it(ws, tmp_path, capsys):
+    mixed = tmp_path / "mixed.jsonl"
+    shutil.copy(ws / "mixed-before.jsonl", mixed)
+    argv = ["data", "mix", "--source", f"messages:{ws / 'data2.jsonl'}", "--out", str(mixed)]
+    assert run_cli(argv, capsys)[0] == 2
+    assert main(argv + ["--force"]) == 0
+    assert len(mixed.read_text().splitlines()) == 6  # data2's records replaced data's eight
+    head = tmp_path / "d"
+    shutil.copytree(ws / "d", head)
+    before = (head / "model.safetensors").read_bytes()
+    assert main(["drafter", "init", "--target", str(ws / "tgt"), "--out", str(head), "--seed", "9", "--force"]) == 0
+    assert (head / "model.safetensors").read_bytes() != before
+    assert main([a.replace("{ws}", str(ws)) for a in TRAIN] + ["--out", str(head), "--force"]) == 0
+    assert (head / "ckpt").is_dir()
+    assert sorted(p.name for p in tmp_path.rglob("*") if ".tmp" in p.name) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node takes root")
+def test_a_device_is_never_written_over(ws, tmp_path, capsys):
+    """As root, writing "into" /dev/full replaced the device with a regular file; a device node of
+    our own (/dev/null's numbers) stands in for it here."""
+    device = tmp_path / "full"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    for argv in (["data", "mix", "--source", f"messages:{ws / 'data.jsonl'}", "--out", str(device)],
+                 ["data", "mix", "--source", f"messages:{ws / 'data.jsonl'}", "--out", str(device), "--force"]):
+        code, output = run_cli(argv, capsys)
+        assert code == 2 and f"--out {device}: a device" in output and "Traceback" not in output
+    assert device.is_char_device()
+
+
+# ---- leftovers: orphaned workers, resumed logs, a resume with nothing to resume ----------------
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_workers_die_with_their_parent():
+    """`eval --jobs` workers (taps.workers) of a parent killed with SIGKILL stop too: none goes on
+    writing into results whose lock died with the parent."""
+    parent = subprocess.Popen([sys.executable, "-c", "import time; from taps import workers; "
+                               "procs = workers.start(time.sleep, [(300,), (300,)]); "
+                               "print(*[p.pid for p in procs], flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    try:
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 60  # a liveness wait, not a speed figure: on the fix they go at once
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_resume_cuts_the_metrics_log_back_to_its_checkpoint(ws, tmp_path):
+    """Steps logged after the last checkpoint (a run killed between logging and checkpointing) are
+    cut, so the resumed run logs each step once."""
+    run = tmp_path / "run"
+    train = [a.replace("{ws}", str(ws)) for a in TRAIN] + ["--out", str(run), "--checkpoint-steps", "1"]
+    assert main(train) == 0
+    log = run / "metrics.jsonl"
+    once = log.read_text().splitlines()
+    last = max(json.loads(line)["step"] for line in once)
+    shutil.rmtree(run / "ckpt" / f"step-{last:06d}")  # killed after logging step `last`, before its checkpoint
+    (run / "ckpt" / "latest").write_text(f"step-{last - 1:06d}\n")
+    assert main(train + ["--resume"]) == 0
+    again = log.read_text().splitlines()
+    assert len(again) == len(once) and [json.loads(x)["step"] for x in again] == [json.loads(x)["step"] for x in once]
+
+
+def test_a_resume_without_a_checkpoint_says_so(ws, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert main([a.replace("{ws}", str(ws)) for a in TRAIN] + ["--out", str(out), "--resume"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "no checkpoint" in line]
+    assert lines == [f"taps train: --resume: no checkpoint in {out / 'ckpt'}; starting from step 0"]
+    assert (out / "model.safetensors").is_file()

@@ -153,7 +153,7 @@ def test_rerun_after_a_drafter_is_retrained_in_place_is_refused(tmp_path, setup)
     out = tmp_path / "results"
     run_eval(target, str(target_dir), variants, QUESTIONS[1:2], out, SETTINGS, progress=False)
     before = (out / "records.jsonl").read_bytes()
-    write_untrained(target_dir, head, seed=3)  # retrained in place
+    write_untrained(target_dir, head, seed=3, force=True)  # retrained in place
     with pytest.raises(ResultsMismatchError, match="weights of .*math changed"):
         run_eval(target, str(target_dir), variants, QUESTIONS[1:3], out, SETTINGS, progress=False)
     assert (out / "records.jsonl").read_bytes() == before

@@ -1,8 +1,9 @@
 """The package reads top-down: no module imports one of a higher layer, and no import cycle.
 
 Layers, lowest first (docs/architecture.md):
-  core     config, jsonl, outlock, identity, stopwatch, workers, tree, verify, kv, attention, machine, target_source,
-           target, trace, decode, testing, and propose/base.py (the Proposer protocol: all that decode.py knows of drafting)
+  core     config, jsonl, outlock, outputs, identity, stopwatch, workers, tree, verify, kv, attention, machine,
+           target_source, target, trace, decode, testing, and propose/base.py (the Proposer protocol: all that decode.py
+           knows of drafting)
   drafter  drafter/*: the EAGLE head, its tree expansion, checkpoints; profile.py (auto-tree costs)
   propose  propose/*: the composition grammar (spec), single, routed, merged, lookup proposers, the factory
   data     data/*: readers, mixtures, chat encoding, regeneration, features
@@ -25,9 +26,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "taps"
 
 LAYERS = ("core", "drafter", "propose", "data", "train", "eval", "study", "cli")
-CORE = {"taps.config", "taps.jsonl", "taps.outlock", "taps.identity", "taps.stopwatch", "taps.workers", "taps.tree",
-        "taps.verify", "taps.kv", "taps.attention", "taps.machine", "taps.target_source", "taps.target", "taps.trace", "taps.decode", "taps.testing",
-        "taps.propose.base"}
+CORE = {"taps.config", "taps.jsonl", "taps.outlock", "taps.outputs", "taps.identity", "taps.stopwatch", "taps.workers",
+        "taps.tree", "taps.verify", "taps.kv", "taps.attention", "taps.machine", "taps.target_source", "taps.target",
+        "taps.trace", "taps.decode", "taps.testing", "taps.propose.base"}
 CLI = {"taps.cli", "taps.cli_args", "taps.__main__"}
 SUBPACKAGE_LAYERS = {"drafter": "drafter", "propose": "propose", "data": "data", "train": "train", "eval": "eval"}
 

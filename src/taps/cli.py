@@ -14,8 +14,8 @@ import sys
 
 from safetensors import SafetensorError
 
-from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, number_list,
-                           positive_int, speculation_from)
+from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, finite_float,
+                           non_negative_float, number_list, positive_int, seed_int, speculation_from)
 from taps.config import DecodeConfig, SamplingConfig
 from taps.data import commands as data_commands
 from taps.decode import ContextWindowError
@@ -61,10 +61,10 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, used as they are")
     p.add_argument("--raw", action="store_true", help="tokenize --prompt as plain text, no chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the target's sampling distribution")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     add_tree_arguments(p)
     add_device_arguments(p)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
@@ -95,10 +95,11 @@ def _add_drafter(sub) -> None:
     init = dsub.add_parser("init", help="write an untrained EAGLE head sized for a target")
     init.add_argument("--target", required=True, help="Hugging Face model directory")
     init.add_argument("--out", required=True, help="output drafter directory")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=seed_int, default=0)
     init.add_argument("--fc-bias", action="store_true", help="build fc with a bias")
     init.add_argument("--backbone", choices=("eagle2", "eagle3"), default="eagle2",
                       help="an EAGLE-2 / HASS head, or an EAGLE-3 head (full draft vocabulary, the default layers)")
+    init.add_argument("--force", action="store_true", help="replace a drafter already in --out")
     init.set_defaults(func=_drafter_init)
     reduce = dsub.add_parser("reduce-vocab", help="copy a drafter with a draft vocabulary: the N most frequent "
                                                   "target tokens of training features (EAGLE-3 / SGLang d2t, t2d)")
@@ -106,7 +107,8 @@ def _add_drafter(sub) -> None:
     reduce.add_argument("--features", required=True, type=comma_list, metavar="DIR[,DIR...]",
                         help="features directories whose assistant tokens are counted (DIR:LIMIT: first LIMIT records)")
     reduce.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size, 1..V")
-    reduce.add_argument("--out", required=True, help="output drafter directory")
+    reduce.add_argument("--out", required=True, help="output drafter directory (not --drafter itself)")
+    reduce.add_argument("--force", action="store_true", help="replace a drafter already in --out")
     reduce.set_defaults(func=_drafter_reduce_vocab)
     table = dsub.add_parser("table", help="acceptance length of every drafter of a directory on GSM8K-test and "
                                           "MT-Bench first turns (a model card's table)",
@@ -135,13 +137,14 @@ def _drafter_table(args) -> int:
 
 
 def _drafter_init(args) -> int:
-    out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias, backbone=args.backbone)
+    out = write_untrained(args.target, args.out, seed=args.seed, bias=args.fc_bias, backbone=args.backbone,
+                          force=args.force)
     print(f"wrote an untrained drafter for {args.target} to {out}")
     return 0
 
 
 def _drafter_reduce_vocab(args) -> int:
-    out, vocab = reduce_vocab(args.drafter, args.features, args.size, args.out)
+    out, vocab = reduce_vocab(args.drafter, args.features, args.size, args.out, force=args.force)
     print(f"wrote {out}: a draft vocabulary of {args.size} tokens covers {vocab.coverage:.2%} of "
           f"{vocab.counted:,} assistant tokens")
     return 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import fields
 
-from taps.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, TREE_MODES, SpeculationConfig
+from taps.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, SEED_LIMIT, TREE_MODES, SpeculationConfig
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -40,26 +41,56 @@ def device_arg(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (counts, sizes, lengths: 0 or a negative number is a mistake, not 'none')."""
+def _int_in(text: str, low: int, high: int | None, expected: str) -> int:
+    """An integer in [low, high) (high None: no upper bound), or the option's one-line error."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value >= high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes, lengths: 0 or a negative number is a mistake, not 'none')."""
+    return _int_in(text, 1, None, "an integer >= 1")
+
+
 def number_list(text: str) -> tuple[float, ...]:
-    """Comma-separated numbers >= 0 (sampling temperatures)."""
+    """Comma-separated finite numbers >= 0 (sampling temperatures)."""
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite numbers >= 0, got {text!r}")
     return values
+
+
+def finite_float(text: str) -> float:
+    """A finite number: nan and inf parse as floats but mean nothing as a temperature, a
+    probability or a learning rate, and would reach the decoder or the optimizer unchecked."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a sampling temperature: 0 is greedy)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """A random seed: an integer in [0, 2^63), the range every generator here accepts."""
+    return _int_in(text, 0, SEED_LIMIT, "an integer seed in [0, 2^63)")
 
 
 def comma_list(text: str) -> list[str]:
@@ -99,7 +130,8 @@ def add_settings(p, cls, only: Sequence[str] | None = None) -> None:
         if kind == "bool":  # a setting that is on by default gets its --no-FLAG too
             kwargs["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
         else:
-            kwargs["type"] = positive_int if option["at_least"] == 1 else {"int": int, "float": float, "str": str}[kind]
+            kwargs["type"] = (positive_int if option["at_least"] == 1 else seed_int if f.name == "seed"
+                              else {"int": int, "float": finite_float, "str": str}[kind])
             for key in ("choices", "metavar"):
                 if option[key] is not None:
                     kwargs[key] = list(option[key]) if key == "choices" else option[key]

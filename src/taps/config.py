@@ -3,6 +3,7 @@ the CLI shows without loading the pipeline (torch-free)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -10,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 DEVICE_PATTERN = r"auto|(cpu|cuda|mps|xpu)(:[0-9]+)?"
 STUDY_STAGES = ("target", "drafters", "eval", "report")  # taps reproduce --stages, in order (taps.study)
 DEMO_OUT = "runs/demo-study"  # taps demo's default directory (taps.study.run_demo)
+SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT): torch.manual_seed and numpy take them all
 
 
 def setting(default, help: str = "", *, flag: str | None = None, choices: Sequence[str] | None = None,
@@ -120,8 +122,8 @@ class SamplingConfig:
     top_k: int = 0  # 0 = no top-k filter
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan compares false both ways
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

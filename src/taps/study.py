@@ -21,6 +21,7 @@ Unknown keys are errors naming the key, so a typo never silently falls back to a
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,10 +30,11 @@ from pathlib import Path
 
 import yaml
 
-from taps.config import DEMO_OUT, STUDY_STAGES, SpeculationConfig
+from taps.config import DEMO_OUT, SEED_LIMIT, STUDY_STAGES, SpeculationConfig
 from taps.eval import report
 from taps.eval.benchmarks import load_questions
 from taps.eval.runner import EvalSettings, ResultsMismatchError, eval_benchmarks
+from taps.jsonl import decode_utf8
 from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
 from taps.target import TargetRef
 from taps.target_source import KNOWN_TARGETS, find_gguf, resolve_target
@@ -115,6 +117,34 @@ def _check_keys(where: str, mapping, allowed: set[str]) -> dict:
     return mapping
 
 
+def _integer(source: str, key: str, value, low: int, high: int | None = None) -> int:
+    """A config integer in [low, high), or an error naming the key (YAML reads 1e23 and "abc" as
+    strings, 1.5 as a float: none is silently converted)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise StudyConfigError(f"{source}: {key} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _numbers(source: str, key: str, value, one: bool = False) -> list[float]:
+    """A config list of finite numbers (one: a single number, as a list of one), or an error
+    naming the key."""
+    values = [value] if one else value
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               and math.isfinite(v) for v in values):
+        raise StudyConfigError(f"{source}: {key} must be {'a finite number' if one else 'a list of finite numbers'}, "
+                               f"got {value!r}")
+    return [float(v) for v in values]
+
+
+def _strings(source: str, key: str, value) -> list[str]:
+    """A config list of non-empty strings, or an error naming the key (a bare string would be
+    taken letter by letter)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise StudyConfigError(f"{source}: {key} must be a list of names, e.g. [a, b], got {value!r}")
+    return value
+
+
 def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
     if mapping is None:
         return None
@@ -179,42 +209,47 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
             raise StudyConfigError(f"{source}: missing key {key!r}")
     target = _check_keys(f"{source}: target", top["target"], {"path"})
     drafters = _check_keys(f"{source}: drafters", top["drafters"], {"out", "recipe", "jobs"})
-    jobs = drafters.get("jobs", 1)
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-        raise StudyConfigError(f"{source}: drafters.jobs must be an integer >= 1, got {jobs!r}")
+    jobs = _integer(source, "drafters.jobs", drafters.get("jobs", 1), 1)
     if "path" not in target or "out" not in drafters:
         raise StudyConfigError(f"{source}: target.path and drafters.out are required")
     ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
                                                           "tree", "top_p", "device", "dtype", "categories", "jobs"})
-    eval_jobs = ev.get("jobs", 1)
-    if not isinstance(eval_jobs, int) or isinstance(eval_jobs, bool) or eval_jobs < 1:
-        raise StudyConfigError(f"{source}: eval.jobs must be an integer >= 1, got {eval_jobs!r}")
+    eval_jobs = _integer(source, "eval.jobs", ev.get("jobs", 1), 1)
     tree = _check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"})
     try:  # the same defaults (mode auto: the caps) and checks as --tree, --total-tokens, --depth, --top-k
         speculation = SpeculationConfig.of(**tree)
     except ValueError as err:
         raise StudyConfigError(f"{source}: eval.tree.{err}") from None
+    temperatures = _numbers(source, "eval.temperatures", ev.get("temperatures", [0.0]))
+    max_new_tokens = _integer(source, "eval.max_new_tokens", ev.get("max_new_tokens", 512), 1)
+    seed = _integer(source, "eval.seed", ev.get("seed", 0), 0, SEED_LIMIT)
+    top_p = _numbers(source, "eval.top_p", ev.get("top_p", 1.0), one=True)[0]
     try:
-        settings = EvalSettings(temperatures=tuple(float(t) for t in ev.get("temperatures", [0.0])),
-                                max_new_tokens=int(ev.get("max_new_tokens", 512)), seed=int(ev.get("seed", 0)),
-                                speculation=speculation, top_p=float(ev.get("top_p", 1.0)))
+        settings = EvalSettings(temperatures=tuple(temperatures), max_new_tokens=max_new_tokens, seed=seed,
+                                speculation=speculation, top_p=top_p)
     except (TypeError, ValueError) as err:
         raise StudyConfigError(f"{source}: eval: {err}") from None
     benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
     if isinstance(benches, str):
         benches = [b.strip() for b in benches.split(",") if b.strip()]
+    benches = _strings(source, "eval.bench", benches)
+    limit = None if ev.get("limit") is None else _integer(source, "eval.limit", ev["limit"], 1)
+    categories = None if ev.get("categories") is None else _strings(source, "eval.categories", ev["categories"])
     variants_cfg = top["variants"]
     if not isinstance(variants_cfg, dict) or not variants_cfg:
         raise StudyConfigError(f"{source}: variants must be a non-empty mapping NAME: SPEC")
     drafters_dir = Path(drafters["out"])
-    variants = expand_variants(variants_cfg, list(top.get("backbones", ["eagle2", "hass"])),
-                               [float(x) for x in top.get("lambdas", [])], drafters_dir, f"{source}: variants")
+    lambdas = _numbers(source, "lambdas", top.get("lambdas", []))
+    if not all(0.0 <= lam <= 1.0 for lam in lambdas):
+        raise StudyConfigError(f"{source}: lambdas must be numbers in [0, 1], got {top['lambdas']!r}")
+    variants = expand_variants(variants_cfg, _strings(source, "backbones", top.get("backbones", ["eagle2", "hass"])),
+                               lambdas, drafters_dir, f"{source}: variants")
     return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
                  variants=variants, benches=list(benches), settings=settings,
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
                  drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
                  drafter_jobs=jobs,
-                 limit=ev.get("limit"), categories=ev.get("categories"), device=str(ev.get("device", "auto")),
+                 limit=limit, categories=categories, device=str(ev.get("device", "auto")),
                  dtype=str(ev.get("dtype", "auto")), eval_jobs=eval_jobs, source=source)
 
 
@@ -222,11 +257,37 @@ def load_study(path: str | Path, data_dir: str | None = None) -> Study:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"study config {path} does not exist")
+    text = decode_utf8(path.read_bytes(), path, StudyConfigError)
+    if "\x00" in text:
+        raise StudyConfigError(f"{path}: a binary file (NUL bytes); expected a YAML study config")
     try:
-        config = yaml.safe_load(path.read_text())
+        loader = UniqueKeyLoader(text)
+        loader.name = str(path)
+        try:
+            config = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
-        raise StudyConfigError(f"{path}: not valid YAML: {err}") from None
+        raise StudyConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     return study_from_dict(config, str(path), data_dir)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error naming it and its line
+    (PyYAML keeps the last silently: a study would run with half of what its author wrote)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: PyYAML's own error names it
+            if key in seen:
+                raise StudyConfigError(f"{self.name}: line {line}: key {key!r} given twice (first at line "
+                                       f"{seen[key]}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def plan(study: Study, stages: tuple[str, ...] = STAGES) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import add_settings, comma_list, device_arg, settings_from
+from taps.cli_args import add_settings, comma_list, device_arg, seed_int, settings_from
 from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
 from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
@@ -21,8 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mix.add_argument("--source", action="append", required=True, metavar="SPEC[:COUNT]",
                      help=f"repeatable; SPEC is {SPEC_HELP}; a trailing :COUNT (digits) draws that many "
                           "records, without it every record is taken")
-    mix.add_argument("--seed", type=int, default=42, help="seed of the draws and of the shuffle")
-    mix.add_argument("--out", required=True, help="output JSONL file (written atomically)")
+    mix.add_argument("--seed", type=seed_int, default=42, help="seed of the draws and of the shuffle")
+    mix.add_argument("--out", required=True, help="output JSONL file (written atomically; never one of the "
+                                                  "sources)")
+    mix.add_argument("--force", action="store_true", help="replace an existing --out mixture")
     mix.add_argument("--data-dir", help=f"data directory, laid out as docs/spec.md §8 says (default: ${DATA_DIR_ENV})")
     mix.add_argument("--english", action="store_true", help="keep English conversations only (a heuristic)")
     mix.set_defaults(func=_mix)
@@ -45,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _mix(args: argparse.Namespace) -> int:
-    print(mix_to_file(args.source, args.seed, args.out, data_dir=args.data_dir, english=args.english, on_report=print))
+    print(mix_to_file(args.source, args.seed, args.out, data_dir=args.data_dir, english=args.english, on_report=print,
+                      force=args.force))
     return 0
 
 

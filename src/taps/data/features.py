@@ -37,6 +37,7 @@ from taps.drafter.head3 import check_aux_layers, default_aux_layers
 from taps.identity import MismatchError, check_same, file_sha256
 from taps.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.outlock import output_lock
+from taps.outputs import check_output_dir
 from taps.target import Target
 
 MANIFEST = "manifest.json"
@@ -156,8 +157,7 @@ def extract_features(target, data: str | Path, out: str | Path, settings: Featur
         raise FeaturesError(f"unknown dtype {settings.dtype!r}; expected one of {', '.join(_DTYPES)}")
     data, out = Path(data), Path(out)
     records = read_conversations(data)
-    if out.exists() and not out.is_dir():
-        raise FeaturesError(f"--out {out}: is a file; expected a features directory")
+    check_output_dir(out, "features", inputs=[("--data", data)])  # resumed, never another kind of result
     manifest_path = out / MANIFEST
     if manifest_path.is_file():  # a finished directory is only read: several processes may share it
         manifest = _open_manifest(out, target, data, settings, len(records))

@@ -18,6 +18,7 @@ from typing import Callable
 
 from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
 from taps.jsonl import write_jsonl
+from taps.outputs import check_output_file, first_line_is
 
 _COUNT = re.compile(r"[0-9]+")
 
@@ -69,10 +70,26 @@ def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None,
 
 
 def mix_to_file(specs: list[str], seed: int, out: str | Path, data_dir: str | Path | None = None,
-                english: bool = False, on_report: Callable[[SourceReport], None] | None = None) -> str:
-    """`taps data mix`: mix_sources written to `out` atomically; returns what was written."""
+                english: bool = False, on_report: Callable[[SourceReport], None] | None = None,
+                force: bool = False) -> str:
+    """`taps data mix`: mix_sources written to `out` atomically; returns what was written. `out`
+    must not be a source, nor anything but a regular file, and an existing mixture is replaced only
+    with `force` (taps.outputs)."""
+    check_output_file(out, "--out", [(f"--source {text}", path) for text, path in _source_files(specs)],
+                      force=force, holds=lambda path: first_line_is(path, ("conversations",)),
+                      what="records (JSONL of conversations)")
     records = mix_sources(specs, seed, data_dir=data_dir, english=english, on_report=on_report)
     return f"wrote {len(records):,} records to {write_jsonl(records, out)}"
+
+
+def _source_files(specs: list[str]) -> list[tuple[str, Path]]:
+    """(spec, file) for every `KIND:PATH[:COUNT]` spec that names an existing file."""
+    files = []
+    for text in specs:
+        rest = parse_count(text)[0].partition(":")[2]
+        if rest and Path(rest).expanduser().exists():
+            files.append((text, Path(rest).expanduser()))
+    return files
 
 
 def _english(records: list[Record], report: SourceReport) -> list[Record]:

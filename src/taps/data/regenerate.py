@@ -45,6 +45,7 @@ from taps.data.features import read_conversations
 from taps.decode import ChatSession, chat_ids, reply_text
 from taps.drafter.checkpoint import load_head
 from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
+from taps.outputs import check_output_file
 from taps.propose.single import SingleProposer
 from taps.target import Target
 
@@ -79,7 +80,9 @@ def _done_ids(out: Path) -> set[str]:
 
 
 def _pending(data: Path, out: Path, settings: RegenerateSettings) -> tuple[int, int, list[tuple[int, dict]]]:
-    """(records in data, records already in out, [(index, record cut to max_turns)] still to do)."""
+    """(records in data, records already in out, [(index, record cut to max_turns)] still to do).
+    `out` must be a regular file (or new) and not `data` itself (taps.outputs)."""
+    check_output_file(out, "--out", [("--data", data)])
     records = read_conversations(data)
     ids = [str(r.get("id", i)) for i, r in enumerate(records)]
     if len(set(ids)) != len(ids):
@@ -359,10 +362,15 @@ class Endpoint:
 
     def served_model(self) -> str:
         if self.model is None:
-            models = self._call("GET", "/models").get("data") or []
-            if not models:
+            models = self._call("GET", "/models")
+            listed = models.get("data") if isinstance(models, dict) else None
+            if not isinstance(listed, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                       for m in listed):
+                raise EndpointError(f"{self.url}/models answered {_excerpt(models)}; expected an OpenAI model list "
+                                    '{"data": [{"id": ...}, ...]} (or name the model with --model)')
+            if not listed:
                 raise EndpointError(f"{self.url}/models lists no model; name one with --model")
-            self.model = str(models[0]["id"])
+            self.model = listed[0]["id"]
         return self.model
 
     def chat(self, messages: list[dict], settings: RegenerateSettings, seed: int) -> tuple[str, str, int]:
@@ -370,10 +378,15 @@ class Endpoint:
         body = {"model": self.served_model(), "messages": messages, "max_tokens": settings.max_new_tokens,
                 "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed}
         reply = self._call("POST", "/chat/completions", body, lambda answer: _incomplete(answer, settings))
-        choice = reply["choices"][0]
-        tokens = (reply.get("usage") or {}).get("completion_tokens")
+        choice = _first_choice(reply, f"{self.url}/chat/completions")
+        usage = reply.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+            raise EndpointError(f"{self.url}/chat/completions answered usage.completion_tokens {_excerpt(tokens)}; "
+                                "expected an integer")
         return (choice["message"].get("content") or "", FINISH_REASONS[choice["finish_reason"]],
                 tokens if tokens is not None else -1)
+
 
 
 def _incomplete(answer, settings: RegenerateSettings) -> str | None:
@@ -381,7 +394,7 @@ def _incomplete(answer, settings: RegenerateSettings) -> str | None:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices else None
     if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
-        return "an answer without choices[0].message"
+        return None  # not a chat completion at all: _first_choice names what came back
     finish = choice.get("finish_reason")
     if finish not in FINISH_REASONS:
         return (f"an answer whose finish_reason is {finish!r}, neither 'stop' nor 'length': it may be cut short, "
@@ -391,6 +404,24 @@ def _incomplete(answer, settings: RegenerateSettings) -> str | None:
         return (f"an answer with finish_reason 'length' after {tokens} of {settings.max_new_tokens} tokens: cut "
                 "short, so it is not saved")
     return None
+
+
+def _excerpt(value) -> str:
+    """A value of a server's answer, cut short enough for a one-line error."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _first_choice(reply, where: str) -> dict:
+    """choices[0] of a chat completion, checked: a malformed answer is an EndpointError naming the
+    endpoint and what came back, never a KeyError from deep inside the run."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict) or not isinstance(message.get("content"), (str, type(None))):
+        raise EndpointError(f"{where} answered {_excerpt(reply)}; expected an OpenAI chat completion "
+                            '{"choices": [{"message": {"content": ...}, "finish_reason": ...}], ...}')
+    return choice
 
 
 def _server_message(text: str) -> str:

@@ -27,6 +27,7 @@ from taps.drafter.checkpoint import (DrafterInfo, is_eagle3_config, pop_draft_vo
 from taps.drafter.head import EagleHead
 from taps.drafter.head3 import Eagle3Head
 from taps.drafter.weights import AverageError, check_weights
+from taps.outputs import check_output_dir
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
 MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -182,11 +183,16 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
 
 
 def average_command(drafters: Sequence[tuple[str, str]], out: str | Path, weights: Sequence[float] | None = None,
-                    sweep: bool = False, lambdas: Sequence[float] | None = None) -> str:
+                    sweep: bool = False, lambdas: Sequence[float] | None = None, force: bool = False) -> str:
     """`taps average`: the weighted average of named drafters (NAME, DIR) written to `out`, or with
-    `sweep` lambda*A + (1-lambda)*B for two drafters under `out`; returns what was written."""
+    `sweep` lambda*A + (1-lambda)*B for two drafters under `out`; returns what was written. `out`
+    (each sweep directory) is never one of the drafters, and a drafter there is replaced only with
+    `force` (taps.outputs)."""
     names = [n for n, _ in drafters]
     paths = [d for _, d in drafters]
+    inputs = [(f"--drafter {n}={d}", d) for n, d in drafters]
+    for target in [Path(out) / sweep_dir_name(lam) for lam in lambdas or DEFAULT_LAMBDAS] if sweep else [out]:
+        check_output_dir(target, "drafter", force=force, inputs=inputs)
     if len(paths) < 2:
         raise ValueError("taps average needs at least two --drafter")
     if len(set(names)) != len(names):

@@ -34,6 +34,7 @@ from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
 from taps.identity import file_sha256
 from taps.jsonl import read_json
+from taps.outputs import check_output_dir
 from taps.target import tokenizer_fingerprint
 from taps.target_source import resolve_target, target_name
 
@@ -214,7 +215,8 @@ def read_config(path: str | Path) -> tuple[dict, DrafterInfo]:
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The head tensors of a drafter directory (safetensors only; a foreign embedding dropped)."""
+    """The head tensors of a drafter directory (safetensors only; a foreign embedding dropped),
+    every floating-point one finite."""
     path = Path(path)
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
@@ -227,6 +229,11 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
     for key in IGNORED_FOREIGN_KEYS:
         tensors.pop(key, None)
+    for key, value in sorted(tensors.items()):  # a NaN or Inf weight drafts garbage without any error
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise CheckpointError(f"{weights}: key {key} holds {bad} non-finite value(s) (NaN or Inf); a diverged "
+                                  "or corrupt checkpoint, retrain or restore it")
     return tensors
 
 
@@ -305,9 +312,11 @@ def _eagle3_fields(head_config: LlamaConfig, config: dict, target, cfg_path: Pat
 
 
 def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, bias: bool = False,
-                    backbone: str = "eagle2") -> Path:
+                    backbone: str = "eagle2", force: bool = False) -> Path:
     """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
-    and tokenizer only (the target's weights are not loaded)."""
+    and tokenizer only (the target's weights are not loaded). An existing head in `out_dir` is
+    replaced only with `force` (taps.outputs)."""
+    check_output_dir(out_dir, "drafter", force=force, inputs=[("--target", target_dir)])
     name = target_name(target_dir)
     target_dir = resolve_target(target_dir)
     if not (target_dir / CONFIG_NAME).is_file():

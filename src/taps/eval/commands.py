@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, number_list,
-                           positive_int, speculation_from)
+from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, finite_float,
+                           number_list, positive_int, seed_int, speculation_from)
 from taps.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
@@ -38,8 +38,8 @@ def _benches(text: str) -> list[str]:
 def add_decode_arguments(p) -> None:
     """Target, tree and decoding options shared by `taps eval` and the study commands."""
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap per turn")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     add_tree_arguments(p)
     add_device_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -8,6 +8,7 @@ or settings changed, so a table can grow while heads are still training."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import time
@@ -25,6 +26,7 @@ from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, weights_digest
 from taps.eval.benchmarks import load_benchmark
 from taps.jsonl import read_json, write_json_atomic
+from taps.outputs import check_output_file
 from taps.propose.single import SingleProposer
 from taps.target import Target
 
@@ -115,9 +117,21 @@ def table_of_directory(target_spec: str, drafters_dir: str | Path, out: str | Pa
     drafters = {p.name: p for p in sorted(root.iterdir()) if (p / "model.safetensors").is_file()}
     if not drafters:
         raise FileNotFoundError(f"{root}: no drafter directories (<name>/model.safetensors)")
+    for suffix, holds in ((".json", _is_table), (".md", lambda path: _is_table(path.with_suffix(".json")))):
+        check_output_file(Path(out).with_suffix(suffix), "--out", holds=holds, what="a drafter table")
     settings = TableSettings(data_dir or os.environ.get(DATA_DIR_ENV), n, temperatures, max_new_tokens)
     table = update_table(Target.load(target_spec, device="cpu", dtype=dtype), drafters, out, settings, jobs=jobs)
     return to_markdown(table, temperatures)
+
+
+def _is_table(path: Path) -> bool:
+    """Whether OUT.json is a drafter table (OUT.md is written beside it): anything else at those
+    names (a features manifest.json, say) is never overwritten."""
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(table, dict) and {"settings", "drafters"} <= table.keys()
 
 
 def update_table(target: Target, drafters: dict[str, Path], out: str | Path, settings: TableSettings,

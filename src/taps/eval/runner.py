@@ -36,6 +36,7 @@ from taps.eval.records import TurnIdentity, conversation_key, read_records, reco
 from taps.identity import MismatchError, check_same
 from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.outlock import output_lock
+from taps.outputs import check_output_dir
 from taps.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
@@ -64,6 +65,18 @@ class EvalSettings:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # the tree mode and shape
     top_p: float = 1.0
     warmup: bool = True  # decode a few tokens with every variant before timing anything
+
+    def __post_init__(self) -> None:
+        """What a run would refuse at its first question, refused when the settings are made: a
+        study's --dry-run builds them too, so it checks exactly what the run checks."""
+        for t in self.temperatures:
+            SamplingConfig(temperature=t, top_p=self.top_p)
+        if not self.temperatures:
+            raise ValueError("temperatures must name at least one temperature")
+        for name in ("max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "max_new_tokens"):
+                raise ValueError(f"{name} must be an integer >= {int(name == 'max_new_tokens')}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -251,7 +264,8 @@ def eval_benchmarks(source: TargetRef, variants: Sequence[VariantSpec], question
                     progress: bool = True) -> str:
     """`taps eval` and a study's eval stage: the questions (of the benchmarks: benchmarks.load_questions)
     decoded by every variant into `out` (run_eval, or run_eval_jobs with `jobs` worker processes);
-    returns a summary."""
+    returns a summary. `out` holds these results or none yet, never another kind (taps.outputs)."""
+    check_output_dir(out, "eval results")
     if jobs > 1:
         total = run_eval_jobs(source, variants, questions, out, settings, jobs=jobs, progress=progress)
         return f"taps eval: {total} conversations in {out} ({jobs} worker processes)"

@@ -95,10 +95,12 @@ def register(sub) -> None:
                    help="with exactly two drafters A B: write OUT/lambda-<l> = l*A + (1-l)*B for each --lambdas value")
     p.add_argument("--lambdas", type=_lambdas, default=None, help="comma-separated lambdas for --sweep "
                    "(default 0.1,0.2,...,0.9)")
-    p.add_argument("--out", required=True, help="output drafter directory (with --sweep: a root directory)")
+    p.add_argument("--out", required=True, help="output drafter directory (with --sweep: a root directory); never "
+                                                "one of the --drafter directories")
+    p.add_argument("--force", action="store_true", help="replace drafters already in --out")
     p.set_defaults(func=_average)
 
 
 def _average(args) -> int:
-    print(average_command(args.drafter, args.out, args.weight, args.sweep, args.lambdas))
+    print(average_command(args.drafter, args.out, args.weight, args.sweep, args.lambdas, force=args.force))
     return 0

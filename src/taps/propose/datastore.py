@@ -7,9 +7,10 @@ A datastore is a directory:
                      preceded by SEP (-1); SEP never matches a token, so no n-gram or continuation
                      crosses a segment boundary
     index-K.npy      int32: every corpus position sorted by the K tokens that start there (a suffix
-                     array cut at depth K), made at the first load (after checking the tokens
-                     against the manifest's digest) and kept beside them, memory-mapped
-                     afterwards; a rebuild of the datastore deletes it
+                     array cut at depth K), made at the first load and kept beside them,
+                     memory-mapped afterwards; a rebuild of the datastore deletes it. Every load
+                     checks the tokens against the manifest's digest first (a sha256 pass over
+                     the corpus), so tokens changed under a kept index are refused
 data/datastore.py builds one from chat records (`taps lookup build`).
 
 Drafting: for n = max_ngram down to min_ngram, the positions that follow the context's last n
@@ -145,16 +146,16 @@ class Datastore:
                 from None
         if tokens.dtype != np.int32 or tokens.ndim != 1:
             raise DatastoreError(f"{path / TOKENS}: expected a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        if _digest(tokens) != manifest.get("digest"):  # every load: tokens changed under a kept index mislead it
+            raise DatastoreError(f"{path / TOKENS}: its content does not match the manifest's digest; "
+                                 "rebuild the datastore with `taps lookup build`")
         index_file = path / f"index-{depth}.npy"
         index = None
         if index_file.is_file():
             index = np.load(index_file, mmap_mode="r", allow_pickle=False)
             if index.dtype != np.int32 or len(index) != manifest.get("tokens"):
                 index = None
-        if index is None:  # first load (or a stale index): check the tokens, sort once, keep the result
-            if _digest(tokens) != manifest.get("digest"):
-                raise DatastoreError(f"{path / TOKENS}: its content does not match the manifest's digest; "
-                                     "rebuild the datastore with `taps lookup build`")
+        if index is None:  # first load (or a stale index): sort once, keep the result
             index = build_index(np.asarray(tokens), depth)
             try:
                 _save_npy(index_file, index)

@@ -157,7 +157,11 @@ def parse_spec(name: str, spec: str, where: str | None = None) -> VariantSpec:
     kind, *words = head.split("-")
     if not sep or kind not in STRATEGIES:  # a bare directory
         return VariantSpec(name, "single", (parse_member(spec, where),), where=where)
-    members = tuple(parse_member(m.strip(), where) for m in rest.split(",") if m.strip())
+    parts = [m.strip() for m in rest.split(",")]
+    if len(parts) > 1 and not all(parts):  # `route:a,,b` or `route:a,b,`: a drafter left out by mistake
+        raise VariantSpecError(f"{where}: an empty drafter between commas in {rest!r}; expected "
+                               "NAME=DIR or DIR, separated by single commas")
+    members = tuple(parse_member(m, where) for m in parts if m)
     options: dict = {}
     for word in words:
         option = next((o for o, (_, names, owner) in OPTIONS.items() if owner == kind and word in names), None)

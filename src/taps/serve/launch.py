@@ -7,9 +7,11 @@ the other commands do not need them.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +81,26 @@ def exposure_warning(host: str, key: str | None) -> str | None:
             f"better (kept out of the process list), ${API_KEY_ENV}.\n{bar}")
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind (host, port) once and let go, as uvicorn will (SO_REUSEADDR): a port in use or a host
+    that is not this machine's is one line naming --port or --host, not a traceback after the
+    model has loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise ValueError(f"--host {host}: not an address of this machine ({err.strerror or err})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                                 "choose another --port") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+
+
 def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
           settings: ServeSettings = ServeSettings(), speculation: SpeculationConfig = SpeculationConfig(),
           device: str = "auto", dtype: str = "auto", announce: Callable[[str], None] = print) -> None:
@@ -91,6 +113,7 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     key = api_key(settings)
     limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens)
+    check_address(settings.host, settings.port)  # before the model loads: a busy port fails in a second
     engine = Engine.load(target, drafters, variants, speculation, device=device, dtype=dtype,
                          attn_implementation=settings.attn, model_id=settings.served_model_name)
     log = logging.getLogger("taps.serve")  # the routing decisions (engine.ROUTING_LOG), at --log-level

@@ -27,7 +27,9 @@ def register(sub) -> None:
                    help="features directory; repeat to train on several (DIR:LIMIT takes its first LIMIT records)")
     t.add_argument("--out", required=True, help="drafter directory; checkpoints go to OUT/ckpt")
     add_settings(t, TrainConfig)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt (without one: start, and say so)")
+    t.add_argument("--force", action="store_true", help="replace a drafter already in --out that has no training run "
+                                                        "(e.g. one of drafter init)")
     t.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     t.set_defaults(func=_train)
 
@@ -40,5 +42,5 @@ def _features(args) -> int:
 
 def _train(args) -> int:
     train_drafter(args.target, args.features, args.out, settings_from(TrainConfig, args), resume=args.resume,
-                  device="cpu" if args.cpu else None)
+                  device="cpu" if args.cpu else None, force=args.force)
     return 0

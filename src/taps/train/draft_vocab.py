@@ -25,6 +25,7 @@ from torch import Tensor
 
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import is_eagle3_config, pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.outputs import check_output_dir
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,15 @@ def choose_draft_vocab(features: FeatureSet, vocab_size: int, size: int, records
     return DraftVocab(ids=ids, coverage=coverage(counts, ids), counted=int(counts.sum()))
 
 
-def reduce_vocab(drafter: str | Path, features: Sequence[str], size: int, out_dir: str | Path
-                 ) -> tuple[Path, DraftVocab]:
+def reduce_vocab(drafter: str | Path, features: Sequence[str], size: int, out_dir: str | Path,
+                 force: bool = False) -> tuple[Path, DraftVocab]:
     """`taps drafter reduce-vocab`: a copy of a drafter that drafts over the `size` most frequent
     loss tokens of `features` (specs DIR or DIR:LIMIT, all records, no length cut). The weights are
     copied unchanged: none depends on the vocabulary. A head that already has a draft vocabulary
-    gets the new one instead. The target's stop tokens are not known here (no target is loaded)."""
+    gets the new one instead. The target's stop tokens are not known here (no target is loaded).
+    `out_dir` is never `drafter`; a drafter already there is replaced only with `force`."""
     drafter = Path(drafter)
+    check_output_dir(out_dir, "drafter", force=force, inputs=[("--drafter", drafter)])
     config, info = read_config(drafter)
     if is_eagle3_config(config):
         raise ValueError(f"{drafter}: an EAGLE-3 head's own LM head fixes its draft vocabulary (one row per token); "

@@ -25,6 +25,7 @@ import hashlib
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -37,8 +38,9 @@ from taps.config import check_at_least, setting
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.identity import MismatchError, check_same
-from taps.jsonl import append_jsonl, read_json, read_jsonl
+from taps.jsonl import append_jsonl, read_json, read_jsonl, write_jsonl
 from taps.outlock import output_lock
+from taps.outputs import check_output_dir
 from taps.target import Target
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, Eagle3Config, HassConfig, counted_positions, eagle2_loss, eagle3_loss,
@@ -334,7 +336,9 @@ class Trainer:
         log = self.out / "metrics.jsonl" if self.acc.is_main_process else None
         if log:
             log.touch()
-            read_jsonl(log, repair_torn=True)  # a line torn by a crash is cut before appending
+            rows, _ = read_jsonl(log, repair_torn=True)  # a line torn by a crash is cut before appending
+            if any(row.get("step", 0) > self.step for _, row in rows):  # logged after the checkpoint resumed
+                write_jsonl([row for _, row in rows if row.get("step", 0) <= self.step], log)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and self.acc.is_main_process),
                    desc=f"train {self.cfg.backbone}", unit="step", dynamic_ncols=True)
         window_t, window_tokens, last = time.time(), 0, {}
@@ -394,27 +398,33 @@ class Trainer:
 
 
 def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: TrainConfig, resume: bool = False,
-                  device: str | None = None) -> Path:
+                  device: str | None = None, force: bool = False) -> Path:
     """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head; the
-    main process prints where it is saved."""
+    main process prints where it is saved. `out` holds no other kind of result (taps.outputs), a
+    head already there (without a run to resume) is replaced only with `force`, and a --resume
+    that finds no checkpoint says so before it starts from step 0."""
     try:
         from accelerate import Accelerator
     except ImportError:
         raise TrainingError("training needs the `train` extra: pip install 'taps[train]'") from None
 
 
+    out_path = check_output_dir(out, "drafter", inputs=[("--target", target_dir)])
     acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=device == "cpu")
     # the frozen embedding / LM head run in the head's precision: fp32 unless mixed precision is on
     target = Target.load(target_dir, device=str(acc.device), dtype="float32" if cfg.mixed_precision == "no" else "auto")
-    out_path = Path(out)
-    if out_path.exists() and not out_path.is_dir():
-        raise TrainingError(f"--out {out_path}: is a file; expected a drafter directory")
     with writer_lock(out_path, acc.is_main_process):
         if (out_path / "ckpt").exists() and not resume:
             raise TrainingError(f"{out_path / 'ckpt'} exists: pass --resume to continue it, or choose another --out")
+        if not (out_path / "ckpt").exists() and not force:  # a head of another command (drafter init, average)
+            check_output_dir(out_path, "drafter", force=False)
         trainer = Trainer(target, features, out_path, cfg, accelerator=acc)
-        if resume and trainer.resume() and acc.is_main_process:
+        resumed = resume and trainer.resume()
+        if acc.is_main_process and resumed:
             print(f"resumed at step {trainer.step}/{trainer.total_steps}")
+        elif acc.is_main_process and resume:
+            print(f"taps train: --resume: no checkpoint in {out_path / 'ckpt'}; starting from step 0",
+                  file=sys.stderr)
         saved = trainer.fit()
     if acc.is_main_process:
         print(f"drafter saved to {saved}")
