@@ -226,3 +226,18 @@ def test_the_grammar_names_lookup_with_a_datastore(tmp_path, target_dir):
     with pytest.raises(ValueError, match="prompt lookup or a datastore"):
         pool.proposer(parse_variant(f"avg=average:ds=lookup+{out},lookup"), TREE)
     assert pool.proposer(parse_variant(f"r=route:ds=lookup+{out},lookup"), TREE) is not None
+
+
+def test_rebuilding_a_datastore_takes_force(tmp_path, target_dir):
+    """An existing datastore is a finished result: `taps lookup build` over it is refused, naming
+    --out and --force, and leaves it as it was; with --force it is rebuilt."""
+    from taps.outputs import OutputError
+
+    out = tmp_path / "ds"
+    build_datastore([write_records(tmp_path / "a.jsonl")], str(target_dir), out)
+    before = (out / "datastore.json").read_bytes()
+    with pytest.raises(OutputError, match="--force"):
+        build_datastore([write_records(tmp_path / "b.jsonl")], str(target_dir), out)
+    assert (out / "datastore.json").read_bytes() == before
+    build_datastore([write_records(tmp_path / "b.jsonl")], str(target_dir), out, force=True)
+    assert Datastore.load(out).manifest["tokens"] > 0

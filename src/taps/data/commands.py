@@ -69,12 +69,13 @@ def register_lookup(subparsers: argparse._SubParsersAction) -> None:
                        help="JSONL files of {\"conversations\": [{role, content}, ...]} records")
     build.add_argument("--target", required=True, help="the target whose tokenizer and chat template render the "
                                                        "answers (model directory, .gguf file or known name)")
-    build.add_argument("--out", required=True, help="datastore directory (written, or overwritten)")
+    build.add_argument("--out", required=True, help="datastore directory (new or empty)")
+    build.add_argument("--force", action="store_true", help="rebuild a datastore already in --out")
     build.add_argument("--index-depth", type=int, default=INDEX_DEPTH,
                        help="the longest n-gram the index matches (its sort depth)")
     build.set_defaults(func=_lookup_build)
 
 
 def _lookup_build(args: argparse.Namespace) -> int:
-    print(build_datastore(args.records, args.target, args.out, args.index_depth))
+    print(build_datastore(args.records, args.target, args.out, args.index_depth, force=args.force))
     return 0

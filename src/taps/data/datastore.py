@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from taps.data.chat import encode_conversation, special_ids
 from taps.jsonl import read_json_lines
+from taps.outputs import check_output_dir
 from taps.propose.datastore import INDEX_DEPTH, MANIFEST, Datastore, DatastoreError, is_datastore, write_datastore
 from taps.target import tokenizer_fingerprint
 from taps.target_source import resolve_target, target_name
@@ -58,9 +59,11 @@ def _conversations(path: Path, lineno: int, record) -> list[dict]:
     return [{"role": t["role"], "content": t["content"]} for t in record["conversations"]]
 
 
-def build_datastore(records: list[str | Path], target: str, out: str | Path, depth: int = INDEX_DEPTH) -> str:
+def build_datastore(records: list[str | Path], target: str, out: str | Path, depth: int = INDEX_DEPTH,
+                    force: bool = False) -> str:
     """Tokenize the assistant turns of every record file with the target's tokenizer, write the
-    datastore to `out` and load it once (which builds and saves its index). Returns a summary."""
+    datastore to `out` and load it once (which builds and saves its index). Returns a summary.
+    A datastore already in `out` is rebuilt only with `force` (taps.outputs)."""
     if not records:
         raise DatastoreError("--records: give at least one JSONL file")
     if not 1 <= depth <= 64:
@@ -69,7 +72,7 @@ def build_datastore(records: list[str | Path], target: str, out: str | Path, dep
     for path in paths:
         if not path.is_file():
             raise DatastoreError(f"--records {path}: no such file")
-    out = Path(out)
+    out = check_output_dir(out, "datastore", force=force, inputs=[("--records", path) for path in paths])
     if out.is_dir() and any(out.iterdir()) and not is_datastore(out):
         raise DatastoreError(f"--out {out}: a directory that holds other files; expected a new or empty directory, "
                              "or a datastore to rebuild")
