@@ -91,6 +91,8 @@ def launched(monkeypatch, target_dir, capsys, **settings) -> tuple[dict, str]:
     """serve() up to the point where it would run: (what run() was given, what it printed on stderr)."""
     given = {}
     monkeypatch.setattr(serve_app, "run", lambda app, *args, **kwargs: given.update(app=app, args=args))
+    # nothing is bound here: an address of another machine (192.168.1.7) must still reach the warning
+    monkeypatch.setattr("taps.serve.launch.check_address", lambda host, port: None)
     serve(str(target_dir), settings=ServeSettings(**settings), device="cpu", dtype="float32",
           announce=lambda line: None)
     return given, capsys.readouterr().err
