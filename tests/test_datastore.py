@@ -209,9 +209,11 @@ def test_cli_builds_and_decodes_with_the_datastore(tmp_path, target_dir, capsys)
     for variant in (f"lookup+{out}", str(out), f"merge-budget:lookup,ds={out}"):
         assert main(base + ["--variant", variant]) == 0, variant
         assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
-    # a rebuild into the same directory replaces it
-    assert main(["lookup", "build", "--records", f"{records},{records}", "--target", str(target_dir),
-                 "--out", str(out)]) == 0
+    # a rebuild into the same directory replaces it, with --force (without: exit 2, it stays)
+    rebuild = ["lookup", "build", "--records", f"{records},{records}", "--target", str(target_dir), "--out", str(out)]
+    assert main(rebuild) == 2 and "--force" in capsys.readouterr().err
+    assert json.loads((out / "datastore.json").read_text())["segments"] == 6
+    assert main(rebuild + ["--force"]) == 0
     assert json.loads((out / "datastore.json").read_text())["segments"] == 12
 
 
