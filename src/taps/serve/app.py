@@ -43,6 +43,7 @@ from taps.serve.admission import Scheduler
 from taps.serve.auth import BearerKey
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError
 from taps.serve.learn import Answer, Learner
+from taps.serve.swap import HeadSwapper
 from taps.serve.metrics import CONTENT_TYPE, Metrics
 from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStream, chunk, new_id, parse_chat,
                                  parse_completion, parse_json, response, usage)
@@ -87,7 +88,9 @@ class Job:
 
     def _work(self, prompt: list[int], sampling: Sampling) -> None:
         start = time.perf_counter()
+        swapper = self.server.swapper
         try:
+            versions = swapper.apply() if swapper is not None else {}  # between requests: no decode runs now
             outcome = self.server.engine.decode(prompt, self.variant, sampling,
                                                 on_tokens=lambda tokens: self._call(self.queue.put_nowait,
                                                                                     ("tokens", tokens)),
@@ -98,6 +101,9 @@ class Job:
             self.server.metrics.finished(self.endpoint, self.variant, outcome, label,
                                          time.perf_counter() - self.arrived)
             self.server.keep(self, prompt, outcome)
+            if swapper is not None:
+                swapper.finished(versions, self.variant.members, len(outcome.tokens), outcome.verifier_calls,
+                                 outcome.decode_s)
             last = ("done", outcome)
         except BaseException as err:  # reported to the client; the server goes on
             self.server.metrics.failed(self.endpoint, self.variant.label, time.perf_counter() - self.arrived)
@@ -160,8 +166,9 @@ class Job:
 
 
 class Server:
-    def __init__(self, engine: Engine, limits: Limits = Limits(), learner: Learner | None = None):
-        self.engine, self.limits, self.learner = engine, limits, learner
+    def __init__(self, engine: Engine, limits: Limits = Limits(), learner: Learner | None = None,
+                 swapper: HeadSwapper | None = None):
+        self.engine, self.limits, self.learner, self.swapper = engine, limits, learner, swapper
         self.scheduler = Scheduler(limits.max_queue)
         self.metrics = Metrics(keep={*engine.named, engine.default.label})
         self.created = int(time.time())
@@ -304,6 +311,8 @@ class Server:
                 break
             await asyncio.sleep(0.05)
         self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.swapper is not None:
+            self.swapper.close()
         if self.learner is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.learner.close)
         if self.cut_answers:
@@ -351,9 +360,10 @@ def guarded(handler):
 
 
 def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = None,
-               learner: Learner | None = None) -> FastAPI:
-    """The app; `learner`: `--learn DIR`'s (serve/learn.py), which keeps finished answers."""
-    server = Server(engine, limits, learner)
+               learner: Learner | None = None, swapper: HeadSwapper | None = None) -> FastAPI:
+    """The app; with `--learn DIR`: its `learner` (serve/learn.py), which keeps finished answers,
+    and its `swapper` (serve/swap.py), which serves new head versions between requests."""
+    server = Server(engine, limits, learner, swapper)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -408,7 +418,8 @@ def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = 
     @guarded
     async def metrics():
         s = server.scheduler
-        page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned())
+        page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned(),
+                                     server.swapper.rows() if server.swapper is not None else ())
         return PlainTextResponse(page, media_type=CONTENT_TYPE)
 
     return app
