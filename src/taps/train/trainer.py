@@ -159,7 +159,11 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 class Trainer:
-    def __init__(self, target, features: str | Path | list[str], out: str | Path, cfg: TrainConfig, accelerator=None):
+    def __init__(self, target, features: str | Path | list[str], out: str | Path, cfg: TrainConfig, accelerator=None,
+                 start_from=None):
+        """`start_from`: a trained EAGLE-2 head (full vocabulary) whose weights the run starts from
+        instead of a fresh head (`taps adapt` fine-tunes the served head); a resume restores the
+        checkpoint over it."""
         from accelerate import Accelerator
 
         self.cfg, self.out = cfg, Path(out)
@@ -190,9 +194,17 @@ class Trainer:
             self.draft_vocab = choose_draft_vocab(self.shards, target.vocab_size, cfg.draft_vocab, self.train_idx,
                                                   cfg.max_len, always=target.stop_token_ids())
         # an EAGLE-3 head's own LM head is sized by its draft vocabulary, so that comes first
+        if start_from is not None and (cfg.backbone == "eagle3" or cfg.draft_vocab is not None
+                                       or getattr(start_from, "draft_ids", None) is not None
+                                       or not hasattr(start_from, "bias")):
+            raise TrainingError("fine-tuning starts from an EAGLE-2 / HASS head over the full vocabulary only; this "
+                                "head is an EAGLE-3 head or drafts over a reduced vocabulary")
         self.head = init_head(target.model.config, seed=cfg.seed, backbone=cfg.backbone,
+                              bias=bool(getattr(start_from, "bias", False)),
                               draft_vocab_size=self.draft_vocab.ids.numel() if self.draft_vocab else None,
                               aux_layers=self.shards.aux_layers or None).to(self.acc.device)
+        if start_from is not None:
+            self.head.load_state_dict(start_from.state_dict())
         self.head.bind(target.embed_tokens, target.lm_head)
         if self.draft_vocab is not None:
             self.head.set_draft_vocab(self.draft_vocab.ids)
