@@ -168,3 +168,13 @@ def test_nothing_is_kept_without_learn(target_dir, tmp_path, monkeypatch):
         ask(client, QUESTIONS[0], max_tokens=8)
     assert list(tmp_path.iterdir()) == []
     assert isinstance(engine.pool.head(LOOKUP), LookupSpec) and engine.pool.head(LOOKUP).datastore is None
+
+
+def test_learn_must_name_a_directory(tmp_path):
+    from taps.serve.launch import ServeSettings
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--learn .*not a directory"):
+        ServeSettings(learn=str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="--learn-store-tokens"):
+        ServeSettings(learn=str(tmp_path), learn_store_tokens=0)
