@@ -178,3 +178,46 @@ def test_learn_must_name_a_directory(tmp_path):
         ServeSettings(learn=str(tmp_path / "file"))
     with pytest.raises(ValueError, match="--learn-store-tokens"):
         ServeSettings(learn=str(tmp_path), learn_store_tokens=0)
+
+
+def test_taps_serve_learn_keeps_answers_and_persists_the_store_at_shutdown(target_dir, tmp_path):
+    """The command end to end: --learn wired in, the store written when SIGTERM stops the server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_serve import free_port, raw
+
+    port, root = free_port(), tmp_path / "learn"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "taps", "serve", "--target", str(target_dir), "--port", str(port),
+                             "--device", "cpu", "--dtype", "float32", "--served-model-name", MODEL, "--variant",
+                             "lookup", "--learn", str(root), "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if raw(url, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                import time
+
+                time.sleep(0.2)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 12,
+                "temperature": 0}
+        status, _, reply = raw(url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records = read_log(root)
+    assert [r["conversations"][-1]["content"] for r in records] == [reply["choices"][0]["message"]["content"]]
+    store = Datastore.load(root / STORE_DIR)
+    assert store.manifest["segments"] == 1 and store.manifest["tokens"] > reply["usage"]["completion_tokens"]
