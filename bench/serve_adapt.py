@@ -118,7 +118,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--drafters", default="models/smollm2-135m-instruct/drafters")
-    p.add_argument("--head", default="eagle2-mixed-xl", help="a head of --drafters (EAGLE-2 / HASS, full vocabulary)")
+    p.add_argument("--head", default="eagle2-mixed-xl", help="a head of --drafters (EAGLE-2 / HASS: what taps adapt fine-tunes)")
     p.add_argument("--task", choices=sorted(TASKS), default="translate")
     p.add_argument("--questions", help="a FastChat question.jsonl to stream instead of --task")
     p.add_argument("--requests", type=int, default=200)

@@ -113,3 +113,23 @@ def test_bad_input_is_one_line(logged, target_dir, tmp_path, capsys):
     assert "--holdout 500" in err and "\n" not in err
     assert main(adapt_args(tmp_path / "nothing", target_dir, logged["base"])) == 2
     assert "no log/" in capsys.readouterr().err
+
+
+def test_a_head_with_a_draft_vocabulary_keeps_it(logged, target_dir, tmp_path, capsys):
+    """The shipped heads draft over a reduced vocabulary (eagle2-mixed-xl: 8192 ids): fine-tuned
+    with the same one."""
+    import torch
+
+    from taps.drafter.checkpoint import DrafterInfo, load_head, save_head
+    from taps.target import Target
+
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    ids = torch.tensor(sorted({*range(0, target.vocab_size, 3), *target.stop_token_ids()}))
+    base = tmp_path / "reduced"
+    save_head(load_head(logged["base"], target).set_draft_vocab(ids), base,
+              DrafterInfo(backbone="eagle2", tokenizer_fingerprint=target.fingerprint()))
+    root = copy_of(logged, tmp_path)
+    assert main(adapt_args(root, target_dir, str(base), "--epochs", "1")) == 0
+    assert "held-out acceptance length" in capsys.readouterr().out
+    trained = load_head(root / "adapt" / "a" / "v1" / "train", target)
+    assert torch.equal(trained.draft_ids.cpu(), ids)
