@@ -33,6 +33,7 @@ from taps.config import DecodeConfig, TreeConfig, check_at_least, setting
 from taps.data.features import FeatureSettings, extract_features
 from taps.decode import chat_ids, generate
 from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
+from taps.drafter.head import EagleHead
 from taps.jsonl import read_json, read_json_lines, write_json_atomic, write_jsonl
 from taps.propose.single import SingleProposer
 from taps.serve.answer_log import read_log
@@ -132,6 +133,8 @@ def adapt(root: str | Path, name: str, target_spec: str, base: str | None = None
         f"{plan['heldout_records']} held out ({work})")
     target = Target.load(target_spec, device=device, dtype="float32")
     old = load_head(plan["from_dir"], target)
+    if not isinstance(old, EagleHead):
+        raise AdaptError(f"{plan['from_dir']}: an EAGLE-3 head; taps adapt fine-tunes EAGLE-2 / HASS heads")
     extract_features(target, work / "train.jsonl", work / "features", FeatureSettings(max_len=settings.max_len))
     cfg = TrainConfig(epochs=settings.epochs, lr=settings.lr, batch_size=settings.batch_size, warmup_steps=0,
                       max_len=settings.max_len, seed=settings.seed, training_data=f"taps serve log {root}")
