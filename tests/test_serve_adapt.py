@@ -133,3 +133,18 @@ def test_a_head_with_a_draft_vocabulary_keeps_it(logged, target_dir, tmp_path, c
     assert "held-out acceptance length" in capsys.readouterr().out
     trained = load_head(root / "adapt" / "a" / "v1" / "train", target)
     assert torch.equal(trained.draft_ids.cpu(), ids)
+
+
+def test_mix_trains_on_the_heads_original_features_too(logged, target_dir, tmp_path, capsys):
+    from taps.data.features import FeatureSettings, extract_features
+    from taps.serve.answer_log import log_files
+    from taps.target import Target
+
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    original = tmp_path / "original"  # stands in for the head's own training features
+    extract_features(target, log_files(logged["root"])[0], original, FeatureSettings(max_len=64))
+    root = copy_of(logged, tmp_path / "run")
+    assert main(adapt_args(root, target_dir, logged["base"], "--epochs", "1", "--mix", f"{original}:5")) == 0
+    capsys.readouterr()
+    config = json.loads((root / "adapt" / "a" / "v1" / "train" / "config.json").read_text())
+    assert config["taps"]["features"].endswith(f" + {original}[:5]")  # the logged answers, then the mix
