@@ -9,8 +9,9 @@ requests of a task none of the shipped heads was trained on, for three runs over
 
 Not a test: it prints figures; run it on an idle machine. The task (public data available
 offline): translating GSM8K *train* questions into French (`--task translate`) or summarising them
-in one sentence (`--task summarise`); the heads were trained on chat (ShareGPT) and math answers,
-never on translations or summaries. `--questions FILE` takes any FastChat question.jsonl instead.
+in one sentence (`--task summarise`); the heads were trained on chat (ShareGPT) and math answers
+(the math heads on answers to these very GSM8K train questions), never on translations or summaries.
+`--questions FILE` takes any FastChat question.jsonl instead (Spec-Bench's translation category, say).
 
 Each request is greedy, one client at a time; the variant is the same in every run,
 `merge-budget:HEAD,lookup` (under --tree auto, lookup's nodes join where they pay). Counted and
