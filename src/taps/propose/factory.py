@@ -155,6 +155,14 @@ class HeadPool:
             self._heads[key] = load_member(path, self.target, attn_implementation=self.attn)
         return self._heads[key]
 
+    def replace(self, path: str, member: "EagleHead | LookupSpec") -> None:
+        """Serve `member` wherever `path` is named from now on (`taps serve --learn`: a new head
+        version, the online datastore's new snapshot); proposers built before keep the old one,
+        and averages over it are computed again."""
+        key = str(Path(path).resolve())
+        self._heads[key] = member
+        self._averages = {k: v for k, v in self._averages.items() if key not in k[0]}
+
     def heads(self, spec: VariantSpec) -> dict[str, "EagleHead | LookupSpec"]:
         return {name: self.head(path) for name, path in spec.drafters}
 

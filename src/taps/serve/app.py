@@ -42,6 +42,8 @@ from taps.config import check_at_least, setting
 from taps.serve.admission import Scheduler
 from taps.serve.auth import BearerKey
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError
+from taps.serve.learn import Answer, Learner
+from taps.serve.swap import HeadSwapper
 from taps.serve.metrics import CONTENT_TYPE, Metrics
 from taps.serve.protocol import (DONE, GenerationRequest, RequestError, TextStream, chunk, new_id, parse_chat,
                                  parse_completion, parse_json, response, usage)
@@ -76,6 +78,7 @@ class Job:
         self.arrived = arrived
         self.cut = False  # set by the shutdown's deadline (Scheduler.cut): a cancelled decode is then cut
         self.thread = threading.Thread(target=self._work, args=(prompt, sampling), daemon=True, name="taps-decode")
+        self.id = new_id(request.chat)
 
     def _call(self, function, *args) -> None:
         try:
@@ -85,7 +88,9 @@ class Job:
 
     def _work(self, prompt: list[int], sampling: Sampling) -> None:
         start = time.perf_counter()
+        swapper = self.server.swapper
         try:
+            versions = swapper.apply() if swapper is not None else {}  # between requests: no decode runs now
             outcome = self.server.engine.decode(prompt, self.variant, sampling,
                                                 on_tokens=lambda tokens: self._call(self.queue.put_nowait,
                                                                                     ("tokens", tokens)),
@@ -95,6 +100,10 @@ class Job:
             label = "cut" if outcome.finish == "cancelled" and self.cut else FINISH_LABEL[outcome.finish]
             self.server.metrics.finished(self.endpoint, self.variant, outcome, label,
                                          time.perf_counter() - self.arrived)
+            self.server.keep(self, prompt, outcome)
+            if swapper is not None:
+                swapper.finished(versions, self.variant.members, len(outcome.tokens), outcome.verifier_calls,
+                                 outcome.decode_s)
             last = ("done", outcome)
         except BaseException as err:  # reported to the client; the server goes on
             self.server.metrics.failed(self.endpoint, self.variant.label, time.perf_counter() - self.arrived)
@@ -157,14 +166,24 @@ class Job:
 
 
 class Server:
-    def __init__(self, engine: Engine, limits: Limits = Limits()):
-        self.engine, self.limits = engine, limits
+    def __init__(self, engine: Engine, limits: Limits = Limits(), learner: Learner | None = None,
+                 swapper: HeadSwapper | None = None):
+        self.engine, self.limits, self.learner, self.swapper = engine, limits, learner, swapper
         self.scheduler = Scheduler(limits.max_queue)
         self.metrics = Metrics(keep={*engine.named, engine.default.label})
         self.created = int(time.time())
         self.cut_answers = 0  # answers cut by the shutdown (reported as cut)
         # parsing and tokenising, off the event loop; one at a time bounds their memory
         self.prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taps-prepare")
+
+    def keep(self, job: Job, prompt: list[int], outcome: Outcome) -> None:
+        """A finished decode, handed to `--learn`'s learner unless the request opted out."""
+        if self.learner is None or not job.request.learn:
+            return
+        sampling = {"temperature": job.request.temperature, "top_p": job.request.top_p, "seed": job.request.seed}
+        self.learner.submit(Answer(job.id, job.request.prompt if job.request.chat else None, list(prompt),
+                                   list(outcome.tokens), self.engine.detokenize(outcome.tokens), outcome.finish,
+                                   {"model": self.engine.model_id, "variant": job.variant.label, **sampling}))
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.engine.model_id, "object": "model", "created": self.created,
@@ -251,7 +270,7 @@ class Server:
         except BaseException:
             self.scheduler.release(0.0)
             raise
-        rid = new_id(chat)
+        rid = job.id
         if request.stream:
             return StreamingResponse(self._stream(job, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -292,6 +311,10 @@ class Server:
                 break
             await asyncio.sleep(0.05)
         self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.swapper is not None:
+            self.swapper.close()
+        if self.learner is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.learner.close)
         if self.cut_answers:
             LOG.warning(f"taps serve: shut down; cut {self.cut_answers} answer(s) short of their end, each reported "
                         "as cut (503, or an error event in its stream)")
@@ -336,8 +359,11 @@ def guarded(handler):
     return run
 
 
-def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = None) -> FastAPI:
-    server = Server(engine, limits)
+def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = None,
+               learner: Learner | None = None, swapper: HeadSwapper | None = None) -> FastAPI:
+    """The app; with `--learn DIR`: its `learner` (serve/learn.py), which keeps finished answers,
+    and its `swapper` (serve/swap.py), which serves new head versions between requests."""
+    server = Server(engine, limits, learner, swapper)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -392,7 +418,8 @@ def create_app(engine: Engine, limits: Limits = Limits(), api_key: str | None = 
     @guarded
     async def metrics():
         s = server.scheduler
-        page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned())
+        page = server.metrics.render(s.waiting, s.running, s.max_queue, server.engine.learned(),
+                                     server.swapper.rows() if server.swapper is not None else ())
         return PlainTextResponse(page, media_type=CONTENT_TYPE)
 
     return app

@@ -2,14 +2,16 @@
 FastAPI app of taps.serve.app).
 
     taps serve --target DIR --drafter math=DIR_A --drafter chat=DIR_B [--variant SPEC]
-               [--host 127.0.0.1 --port 8000 --max-queue 16 --max-tokens 2048]
+               [--host 127.0.0.1 --port 8000 --max-queue 16 --max-tokens 2048] [--learn DIR]
+    taps adapt DIR --head NAME --target T [--base HEAD_DIR] [--mix FEATURES[:N]]
 """
 
 from __future__ import annotations
 
-from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, settings_from,
-                           speculation_from)
+from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, device_arg,
+                           settings_from, speculation_from)
 from taps.propose.commands import parse_named_drafter
+from taps.serve.adapt import AdaptSettings, adapt
 from taps.serve.launch import ServeSettings, serve
 
 
@@ -29,9 +31,31 @@ def register(sub) -> None:
     add_device_arguments(p)
     p.set_defaults(func=_serve)
 
+    a = sub.add_parser("adapt", help="fine-tune a served head on the answers `taps serve --learn DIR` logged; write "
+                                     "DIR/heads/NAME/vN+1 only if it drafts the held-out requests better (resumable)",
+                       formatter_class=DefaultsHelpFormatter)
+    a.add_argument("dir", metavar="DIR", help="the directory given to taps serve --learn")
+    a.add_argument("--head", required=True, metavar="NAME", help="the --drafter name the server serves it as")
+    a.add_argument("--target", required=True, help="the served target (Hugging Face model directory, .gguf file or "
+                                                   "known name)")
+    a.add_argument("--base", metavar="HEAD_DIR", help="the head served as NAME (its --drafter directory): needed "
+                                                      "while DIR/heads/NAME holds no version")
+    a.add_argument("--mix", action="append", default=[], metavar="FEATURES[:N]",
+                   help="also train on (the first N records of) the head's original features, against forgetting "
+                        "(repeat)")
+    add_settings(a, AdaptSettings)
+    a.add_argument("--device", type=device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
+    a.set_defaults(func=_adapt)
+
 
 def _serve(args) -> int:
     serve(args.target, args.drafter or [], args.variant or [], settings_from(ServeSettings, args),
           speculation_from(args), device=args.device, dtype=args.dtype,
           announce=lambda line: print(line, flush=True))
+    return 0
+
+
+def _adapt(args) -> int:
+    print(adapt(args.dir, args.head, args.target, args.base, settings_from(AdaptSettings, args), args.mix,
+                device=args.device, say=lambda line: print(line, flush=True)))
     return 0

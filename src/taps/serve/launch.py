@@ -42,6 +42,14 @@ class ServeSettings:
                                             "are cancelled")
     log_level: str = setting("info", "uvicorn's log level (info: one line per request)", choices=LOG_LEVELS)
     attn: str = setting("sdpa", "target attention implementation", choices=("sdpa", "eager"))
+    learn: str | None = setting(None, "learn the workload (docs/learn.md): keep finished chat answers in DIR/log/, "
+                                      "draft the lookup member from them too (DIR/store/), serve adapted head versions "
+                                      "from DIR/heads/NAME/vN/ (default: nothing is kept)")
+    learn_log_mb: int = setting(256, "--learn: the answer log's bound in MiB (the oldest files go first)", at_least=1)
+    learn_store_tokens: int = setting(2_000_000, "--learn: the online datastore's bound in tokens (the oldest "
+                                                 "answers go first)", at_least=1)
+    learn_check_after: int = setting(20, "--learn: a new head version's first N requests decide whether it stays "
+                                         "(below the previous version's acceptance: rolled back)", at_least=1)
 
     def __post_init__(self) -> None:  # the limits are checked by serve.app.Limits, before any model loads
         if not 1 <= self.port <= 65535:
@@ -49,6 +57,12 @@ class ServeSettings:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout}")
         check_key(self.api_key, "--api-key")
+        for option, value in (("--learn-log-mb", self.learn_log_mb), ("--learn-store-tokens", self.learn_store_tokens),
+                              ("--learn-check-after", self.learn_check_after)):
+            if value < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        if self.learn is not None and os.path.exists(self.learn) and not os.path.isdir(self.learn):
+            raise ValueError(f"--learn {self.learn}: not a directory; expected a directory for what the server learns")
 
 
 def check_key(key: str | None, where: str) -> None:
@@ -108,6 +122,8 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     line that says where)."""
     try:
         from taps.serve.app import Limits, create_app, run
+        from taps.serve.learn import Learner
+        from taps.serve.swap import HeadSwapper
     except ImportError as err:
         raise ValueError(f"taps serve needs the serve extra ({err}); install it with pip install 'taps[serve]'") from None
     key = api_key(settings)
@@ -128,5 +144,10 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     warning = exposure_warning(settings.host, key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    run(create_app(engine, limits, api_key=key), settings.host, settings.port, settings.shutdown_timeout,
-        settings.log_level)
+    learner = swapper = None
+    if settings.learn is not None:
+        learner = Learner(settings.learn, engine, max_log_bytes=settings.learn_log_mb << 20,
+                          max_file_bytes=min(16, settings.learn_log_mb) << 20, store_tokens=settings.learn_store_tokens)
+        swapper = HeadSwapper(settings.learn, engine, check_after=settings.learn_check_after)
+    run(create_app(engine, limits, api_key=key, learner=learner, swapper=swapper), settings.host, settings.port,
+        settings.shutdown_timeout, settings.log_level)

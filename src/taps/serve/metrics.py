@@ -99,6 +99,11 @@ class Metrics:
                                       "favoured) and chosen head", ()),
             ("bandit_tokens_per_call", "gauge", "route-bandit: mean tokens per verifier call a head earned in a "
                                                 "context (its learned reward)", ()),
+            ("head_version", "gauge", "--learn: the version served per head (0: the --drafter directory)", ()),
+            ("version_requests", "gauge", "--learn: requests decoded per head version", ()),
+            ("version_acceptance_length", "gauge", "--learn: per head version, generated tokens / verifier calls", ()),
+            ("version_tokens_per_second", "gauge", "--learn: per head version, generated tokens / decode seconds", ()),
+            ("head_version_events", "gauge", "--learn: per head, versions swapped in, rolled back and refused", ()),
             ("request_duration_seconds", "histogram", "end to end, queue included", SECONDS_BUCKETS),
             ("queue_waiting", "gauge", "requests waiting for the decoder", ()),
             ("requests_running", "gauge", "requests decoding (at most one per model)", ()),
@@ -155,10 +160,14 @@ class Metrics:
                                                   "finish": "error"})
             self._families["request_duration_seconds"].add({"endpoint": endpoint}, seconds)
 
-    def render(self, waiting: int, running: int, limit: int, learned: list[dict] = ()) -> str:
-        """The page; `learned`: the engine's route-bandit states (Engine.learned)."""
+    def render(self, waiting: int, running: int, limit: int, learned: list[dict] = (),
+               versions: list[tuple[str, dict, float]] = ()) -> str:
+        """The page; `learned`: the engine's route-bandit states (Engine.learned); `versions`: the
+        head versions' figures (serve/swap.HeadSwapper.rows)."""
         with self._lock:
             f = self._families
+            for family, labels, value in versions:
+                f[family].set(labels, value)
             for row in learned:
                 if self._variant(row["variant"]) == "other":
                     continue  # a gauge per context and head of a variant without series of its own: none

@@ -50,6 +50,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     variant: str | None = None
+    learn: bool = True  # extra_body.taps.learn = false: this request is not kept by `taps serve --learn`
 
 
 def parse_json(raw: bytes) -> dict:
@@ -174,19 +175,23 @@ def _unsupported(body: dict) -> None:
         raise RequestError("echo is not supported by this server", param="echo")
 
 
-def _taps_options(body: dict) -> str | None:
+def _taps_options(body: dict) -> tuple[str | None, bool]:
+    """extra_body.taps: (the variant, whether the request may be learned from)."""
     options = body.get("taps")
     if options is None:
-        return None
+        return None, True
     if not isinstance(options, dict):
         raise _wrong("taps", 'an object such as {"variant": "math"}', options)
-    unknown = sorted(set(options) - {"variant"})
+    unknown = sorted(set(options) - {"variant", "learn"})
     if unknown:
-        raise RequestError(f"taps has unknown key {unknown[0]!r}; expected variant", param=f"taps.{unknown[0]}")
+        raise RequestError(f"taps has unknown key {unknown[0]!r}; expected variant or learn", param=f"taps.{unknown[0]}")
     variant = options.get("variant")
     if variant is not None and (not isinstance(variant, str) or not variant.strip()):
         raise _wrong("taps.variant", "a variant name or spec string", variant)
-    return variant
+    learn = options.get("learn", True)
+    if not isinstance(learn, bool):
+        raise _wrong("taps.learn", "true or false", learn)
+    return variant, learn
 
 
 def _common(body: dict, chat: bool, prompt: object) -> GenerationRequest:
@@ -203,11 +208,12 @@ def _common(body: dict, chat: bool, prompt: object) -> GenerationRequest:
     if options is not None and not isinstance(options, dict):
         raise _wrong("stream_options", "an object", options)
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage")
+    variant, learn = _taps_options(body)
     return GenerationRequest(
         model=model, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
         seed=_seed(body), stop=_stop(body), stream=_boolean(body, "stream"),
-        include_usage=include_usage, variant=_taps_options(body))
+        include_usage=include_usage, variant=variant, learn=learn)
 
 
 def parse_chat(body: dict) -> GenerationRequest:

@@ -159,7 +159,11 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 class Trainer:
-    def __init__(self, target, features: str | Path | list[str], out: str | Path, cfg: TrainConfig, accelerator=None):
+    def __init__(self, target, features: str | Path | list[str], out: str | Path, cfg: TrainConfig, accelerator=None,
+                 start_from=None):
+        """`start_from`: a trained EAGLE-2 / HASS head whose weights (and draft vocabulary, if it has
+        one) the run starts from instead of a fresh head (`taps adapt` fine-tunes the served head);
+        a resume restores the checkpoint over it."""
         from accelerate import Accelerator
 
         self.cfg, self.out = cfg, Path(out)
@@ -190,9 +194,18 @@ class Trainer:
             self.draft_vocab = choose_draft_vocab(self.shards, target.vocab_size, cfg.draft_vocab, self.train_idx,
                                                   cfg.max_len, always=target.stop_token_ids())
         # an EAGLE-3 head's own LM head is sized by its draft vocabulary, so that comes first
+        if start_from is not None and (cfg.backbone == "eagle3" or cfg.draft_vocab is not None
+                                       or not hasattr(start_from, "bias")):
+            raise TrainingError("fine-tuning starts from an EAGLE-2 / HASS head, with the draft vocabulary it has; "
+                                "this head is an EAGLE-3 head, or a new draft vocabulary was asked for")
+        if start_from is not None and start_from.draft_ids is not None:  # kept as it was chosen for the head
+            self.draft_vocab = DraftVocab(start_from.draft_ids.cpu(), coverage=float("nan"), counted=0)
         self.head = init_head(target.model.config, seed=cfg.seed, backbone=cfg.backbone,
+                              bias=bool(getattr(start_from, "bias", False)),
                               draft_vocab_size=self.draft_vocab.ids.numel() if self.draft_vocab else None,
                               aux_layers=self.shards.aux_layers or None).to(self.acc.device)
+        if start_from is not None:
+            self.head.load_state_dict(start_from.state_dict())
         self.head.bind(target.embed_tokens, target.lm_head)
         if self.draft_vocab is not None:
             self.head.set_draft_vocab(self.draft_vocab.ids)
@@ -256,7 +269,7 @@ class Trainer:
     def info(self) -> DrafterInfo:
         extra = {"train_config": asdict(self.cfg), "steps": self.step, "features": self.shards.description,
                  "train_seconds": round(self.train_seconds, 1), "timed_from_step": self.timed_from_step}
-        if self.draft_vocab is not None:
+        if self.draft_vocab is not None and self.draft_vocab.counted:  # not measured for a kept vocabulary
             extra["draft_vocab_coverage"] = round(self.draft_vocab.coverage, 6)
         return DrafterInfo(backbone=self.cfg.backbone, training_data=self.cfg.training_data,
                            target_name=self.target.name,

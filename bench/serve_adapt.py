@@ -1,0 +1,186 @@
+"""A server that learns its workload (issue 31): acceptance length and tokens/s per window of
+requests of a task none of the shipped heads was trained on, for three runs over the same stream:
+
+  off      `taps serve` as before: no --learn
+  store    --learn: the lookup member also drafts from the online datastore of earlier answers
+  adapt    --learn, and after --adapt-after requests one `taps adapt` (its own process; the stream
+           waits for it, so its CPU time does not count against the server's), whose new version
+           the server swaps in before the next request (if the adaptation wrote one)
+
+Not a test: it prints figures; run it on an idle machine. The task (public data available
+offline): translating GSM8K *train* questions into French (`--task translate`) or summarising them
+in one sentence (`--task summarise`); the heads were trained on chat (ShareGPT) and math answers
+(the math heads on answers to these very GSM8K train questions), never on translations or summaries.
+`--questions FILE` takes any FastChat question.jsonl instead (Spec-Bench's translation category, say).
+
+Each request is greedy, one client at a time; the variant is the same in every run,
+`merge-budget:HEAD,lookup` (under --tree auto, lookup's nodes join where they pay). Counted and
+printed per run: lost requests (no answer) and failed ones (an error answer), and answers that
+differ from the `off` run's (0 expected in float32: learning changes only what is drafted).
+The goals (issue 31), checked on the printed figures:
+  - adapt: last window's acceptance length >= 1.5x the first's, tokens/s >= 1.3x;
+  - store: tokens/s over the whole stream >= 1.15x off's.
+
+    python bench/serve_adapt.py --target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters \\
+        --head eagle2-mixed-xl --task translate --requests 200 --window 25 --adapt-after 100 --max-tokens 200 \\
+        --data-dir ../shared/data --dtype float32 --tree auto --out runs/serve_adapt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from taps.cli_args import add_tree_arguments, speculation_from
+from taps.jsonl import read_json_lines, write_json_atomic
+
+TASKS = {
+    "translate": "Translate the following text into French. Reply with the translation only.\n\n{q}",
+    "summarise": "Summarise the following text in one sentence.\n\n{q}",
+}
+
+
+def questions(args) -> list[str]:
+    if args.questions:
+        rows = [row for _, row in read_json_lines(args.questions)]
+        texts = [row["turns"][0] for row in rows]
+    else:
+        rows = [row for _, row in read_json_lines(Path(args.data_dir) / "gsm8k" / "train.jsonl")]
+        texts = [TASKS[args.task].format(q=row["question"]) for row in rows]
+    if len(texts) < args.requests:
+        raise SystemExit(f"{len(texts)} questions, fewer than --requests {args.requests}")
+    return texts[:args.requests]
+
+
+def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int | None) -> dict:
+    """One run of the stream through a fresh server; per request: usage figures or the error."""
+    import openai
+
+    from taps.serve.app import Limits, create_app, serving
+    from taps.serve.engine import Engine
+    from taps.serve.learn import Learner
+    from taps.serve.swap import HeadSwapper
+
+    head_dir = str(Path(args.drafters) / args.head)
+    engine = Engine.load(args.target, [(args.head, head_dir)], [f"learning=merge-budget:{args.head},lookup"],
+                         speculation_from(args), device=args.device, dtype=args.dtype, model_id="target")
+    learner = Learner(learn, engine) if learn is not None else None
+    swapper = HeadSwapper(learn, engine, check_after=args.check_after, poll_s=None) if learn is not None else None
+    rows, adapted = [], None
+    with serving(create_app(engine, Limits(max_tokens=args.max_tokens), learner=learner, swapper=swapper)) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        for i, text in enumerate(stream):
+            if adapt_after is not None and i == adapt_after:
+                learner.flush()
+                start = time.perf_counter()
+                done = subprocess.run([sys.executable, "-m", "taps", "adapt", str(learn), "--head", args.head,
+                                       "--target", args.target, "--base", head_dir, "--holdout", str(args.holdout),
+                                       "--device", args.device], capture_output=True, text=True)
+                adapted = {"seconds": round(time.perf_counter() - start, 1), "rc": done.returncode,
+                           "output": (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()[-1:]}
+                print(f"  {name}: adapt after {i} requests: {adapted}", flush=True)
+                swapper.scan()
+            try:
+                reply = client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
+                                                       max_tokens=args.max_tokens, temperature=0)
+                u = reply.usage.model_extra
+                rows.append({"i": i, "text": reply.choices[0].message.content, "tokens": reply.usage.completion_tokens,
+                             "calls": u["verifier_calls"], "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
+                             if u.get("tokens_per_second") else None})
+            except Exception as err:  # counted, the stream goes on
+                rows.append({"i": i, "error": f"{type(err).__name__}: {err}"})
+            if learner is not None:  # requests spaced out: each one drafts from every earlier answer (reproducible)
+                learner.flush()
+        if learner is not None:
+            learner.flush()
+    versions = swapper.rows() if swapper is not None else []
+    return {"run": name, "rows": rows, "adapt": adapted, "versions": versions}
+
+
+def windows(result: dict, size: int) -> list[dict]:
+    out = []
+    ok = [r for r in result["rows"] if "error" not in r]
+    for start in range(0, max(r["i"] for r in result["rows"]) + 1, size):
+        part = [r for r in ok if start <= r["i"] < start + size]
+        tokens, calls = sum(r["tokens"] for r in part), sum(r["calls"] for r in part)
+        seconds = sum(r["seconds"] or 0.0 for r in part)
+        out.append({"requests": f"{start + 1}-{start + size}", "acceptance": tokens / calls if calls else 0.0,
+                    "tokens_per_s": tokens / seconds if seconds else 0.0})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--drafters", default="models/smollm2-135m-instruct/drafters")
+    p.add_argument("--head", default="eagle2-mixed-xl", help="a head of --drafters (EAGLE-2 / HASS: what taps adapt fine-tunes)")
+    p.add_argument("--task", choices=sorted(TASKS), default="translate")
+    p.add_argument("--questions", help="a FastChat question.jsonl to stream instead of --task")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--window", type=int, default=25)
+    p.add_argument("--adapt-after", type=int, default=100)
+    p.add_argument("--holdout", type=int, default=20)
+    p.add_argument("--check-after", type=int, default=20, help="the server's rollback window (--learn-check-after)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--data-dir", default=os.environ.get("TAPS_DATA_DIR") or "../shared/data")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--runs", default="off,store,adapt")
+    p.add_argument("--out", help="write results.json here (default: a temporary directory)")
+    add_tree_arguments(p)
+    args = p.parse_args()
+    try:
+        speculation_from(args)
+    except ValueError as err:
+        p.error(str(err))
+    out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
+    out.mkdir(parents=True, exist_ok=True)
+    stream = questions(args)
+    results = {}
+    for name in args.runs.split(","):
+        learn = None if name == "off" else out / f"learn-{name}"
+        if learn is not None and learn.exists():
+            raise SystemExit(f"{learn} exists: give a new --out (a learning run starts from nothing)")
+        results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None)
+        print(f"  {name}: done", flush=True)
+
+    print(f"\nstream: {args.requests} requests ({args.questions or args.task}), head {args.head}, variant "
+          f"merge-budget:{args.head},lookup, max_tokens {args.max_tokens}\n")
+    print("| run | " + " | ".join(w["requests"] for w in windows(next(iter(results.values())), args.window))
+          + " | lost | failed | differ from off |")
+    print("| --- |" + " ---: |" * (len(windows(next(iter(results.values())), args.window)) + 3))
+    off = {r["i"]: r.get("text") for r in results["off"]["rows"]} if "off" in results else {}
+    summary = {}
+    for name, result in results.items():
+        ws = windows(result, args.window)
+        answered = {r["i"] for r in result["rows"]}
+        lost = sum(i not in answered for i in range(args.requests))
+        failed = sum("error" in r for r in result["rows"])
+        differ = sum(off.get(r["i"]) != r.get("text") for r in result["rows"] if "error" not in r) if off else None
+        cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in ws)
+        print(f"| {name} (acceptance / tok/s) | {cells} | {lost} | {failed} | {differ} |")
+        ok = [r for r in result["rows"] if "error" not in r]
+        seconds = sum(r["seconds"] or 0.0 for r in ok)
+        summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
+                         "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
+                         "adapt": result["adapt"], "versions": result["versions"]}
+    if "adapt" in summary:
+        ws = summary["adapt"]["windows"]
+        print(f"\nadapt: last / first window: acceptance {ws[-1]['acceptance'] / ws[0]['acceptance']:.2f}x "
+              f"(goal 1.5x), tokens/s {ws[-1]['tokens_per_s'] / max(ws[0]['tokens_per_s'], 1e-9):.2f}x (goal 1.3x)")
+    if "store" in summary and "off" in summary:
+        print(f"store / off tokens/s over the stream: "
+              f"{summary['store']['tokens_per_s'] / max(summary['off']['tokens_per_s'], 1e-9):.2f}x (goal 1.15x)")
+    write_json_atomic(out / "results.json", {"args": vars(args), "runs": summary})
+    print(f"\nwrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
