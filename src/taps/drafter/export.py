@@ -67,9 +67,9 @@ def _fc_bias(tensors: dict[str, torch.Tensor], layout: EngineLayout, hidden: int
     return "fc.bias" in tensors
 
 
-def _eagle3_ids(config: dict, tensors: dict[str, torch.Tensor], where: Path) -> torch.Tensor:
+def _eagle3_ids(config: dict, tensors: dict[str, torch.Tensor], layout: EngineLayout, where: Path) -> torch.Tensor:
     """The draft ids of an EAGLE-3 head, checked (its lm_head has one row per draft token), and the
-    captured target layers present in both places the engines read them."""
+    captured target layers, counted the engine's way, in both places the engines read them."""
     ids = pop_draft_vocab(tensors, config, where)
     if ids is None:
         raise ExportError(f"{where / 'config.json'}: an EAGLE-3 head needs draft_vocab_size (with d2t, t2d)")
@@ -81,8 +81,12 @@ def _eagle3_ids(config: dict, tensors: dict[str, torch.Tensor], where: Path) -> 
     if not layers:
         raise ExportError(f"{where / 'config.json'}: an EAGLE-3 head must name its captured target layers "
                           "(eagle_config.eagle_aux_hidden_state_layer_ids)")
-    config["eagle_config"] = {**(config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": list(layers)}
-    config["eagle_aux_hidden_state_layer_ids"] = list(layers)
+    if layout.aux_layer_count is not None and len(layers) != layout.aux_layer_count:
+        raise ExportError(f"{where}: cannot be exported for {layout.engine}: its EAGLE-3 reads exactly "
+                          f"{layout.aux_layer_count} captured target layers, this head has {len(layers)}")
+    layers = [int(i) + layout.aux_layer_offset for i in layers]
+    config["eagle_config"] = {**(config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": layers}
+    config["eagle_aux_hidden_state_layer_ids"] = layers
     return ids
 
 
@@ -99,9 +103,11 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
         raise ExportError(f"--out {out}: the export would overwrite the head it reads")
     config = dict(config)
     if layout.family == "eagle3":
-        ids = _eagle3_ids(config, tensors, head)
+        ids = _eagle3_ids(config, tensors, layout, head)
         _check_keys(tensors, tuple(k for k in EAGLE3_KEYS if k not in ("d2t", "t2d")), head)
         keep_ids, vocab = ids, f"{ids.numel()} tokens (d2t / t2d)"
+        if layout.engine == "vllm" and ids.numel() == int(config["vocab_size"]):
+            keep_ids, vocab = None, "the full vocabulary"  # vLLM builds no d2t parameter then, and rejects one
     else:
         ids = pop_draft_vocab(tensors, config, head)
         _check_keys(tensors, EAGLE_KEYS, head)
@@ -118,6 +124,8 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
     record = {"engine": engine, "family": layout.family, "source": str(head.resolve()), "head": head.name,
               "backbone": info.backbone, "weights_sha256": weights_digest(head), "draft_vocab": vocab,
               "architectures": list(layout.architectures)}
+    if layout.family == "eagle3":
+        record["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
     out.mkdir(parents=True, exist_ok=True)
     token_map = out / TOKEN_MAP_NAME
     token_map.unlink(missing_ok=True)  # a rerun for another engine must not leave a stale map behind

@@ -16,7 +16,12 @@ read from):
 - EAGLE-3 (`LlamaForCausalLMEagle3`, the SpecForge layout) is a different network: `midlayer.*`,
   `fc` over three target layers, its own `norm` and `lm_head`, `d2t` / `t2d`; both engines read that
   layout as it is. llama.cpp drafts with EAGLE-3 heads only (architecture `eagle3`, converted by
-  its `convert_hf_to_gguf.py --target-model-dir`), and has no EAGLE-2 path.
+  its `convert_hf_to_gguf.py --target-model-dir`), and has no EAGLE-2 path (its converter would
+  even take a one-layer head with draft_vocab_size for an EAGLE-3 one).
+- The captured target layers (`eagle_aux_hidden_state_layer_ids`) are counted two ways. SGLang
+  (and SpecForge, which trains with it; TAPS's eagle3 layout follows them) names layer i for the
+  OUTPUT of layer i (set_eagle3_layers_to_capture adds 1); vLLM and llama.cpp name layer j for the
+  INPUT of layer j (0 = the embedding). An export for those two adds 1 to every id.
 
 A family is the network: "eagle" (TAPS's eagle2 and hass backbones, and untrained heads: one
 network, two training objectives) or "eagle3". Adding an engine or a family is adding rows.
@@ -75,6 +80,8 @@ class EngineLayout:
     architectures: tuple[str, ...] = ()
     fc_bias: str = "keep"
     draft_vocab: str = "d2t"
+    aux_layer_offset: int = 0  # EAGLE-3: added to the captured layer ids (module docstring)
+    aux_layer_count: int | None = None  # EAGLE-3: how many captured layers the engine takes (None: any)
     refusal: str | None = None  # why this engine cannot take this family at all
     converter: str | None = None  # llama.cpp: the GGUF conversion step
 
@@ -89,8 +96,9 @@ LAYOUTS: dict[tuple[str, str], EngineLayout] = {
     ("sglang", "eagle3"): EngineLayout("sglang", "eagle3", ("LlamaForCausalLMEagle3",)),
     # vLLM's EAGLEConfig(method="eagle3") turns LlamaForCausalLM into Eagle3LlamaForCausalLM, registered in
     # every vLLM with EAGLE-3 (LlamaForCausalLMEagle3 is registered only in later ones)
-    ("vllm", "eagle3"): EngineLayout("vllm", "eagle3", ("LlamaForCausalLM",)),
-    ("llama.cpp", "eagle3"): EngineLayout("llama.cpp", "eagle3", ("LlamaForCausalLMEagle3",),
+    ("vllm", "eagle3"): EngineLayout("vllm", "eagle3", ("LlamaForCausalLM",), fc_bias="none", aux_layer_offset=1),
+    ("llama.cpp", "eagle3"): EngineLayout("llama.cpp", "eagle3", ("LlamaForCausalLMEagle3",), fc_bias="none",
+                                          aux_layer_offset=1, aux_layer_count=3,
                                           converter="convert_hf_to_gguf.py DIR --target-model-dir TARGET"),
 }
 
