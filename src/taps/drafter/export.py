@@ -31,6 +31,9 @@ from taps.jsonl import write_json_atomic
 
 CONVERTER = "convert_hf_to_gguf.py"
 LLAMA_CPP_ENV = "TAPS_LLAMA_CPP"  # a llama.cpp source directory (the one holding convert_hf_to_gguf.py)
+# the Python that runs the converter: it needs llama.cpp's requirements (sentencepiece, ...), which
+# TAPS's own environment may lack (default: this Python)
+CONVERTER_PYTHON_ENV = "TAPS_LLAMA_CPP_PYTHON"
 
 
 @dataclass
@@ -155,11 +158,13 @@ def _convert_gguf(out: Path, layout: EngineLayout, target_model_dir, llama_cpp) 
         raise ExportError("--target-model-dir: llama.cpp's converter needs the target's Hugging Face directory "
                           "to convert an EAGLE-3 head")
     gguf = out / "head-f32.gguf"
-    cmd = [sys.executable, str(converter), str(out), "--target-model-dir", str(target_model_dir),
+    cmd = [os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable, str(converter), str(out), "--target-model-dir", str(target_model_dir),
            "--outfile", str(gguf), "--outtype", "f32"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ExportError(f"{converter}: failed on {out} ({last})")
+        hint = f"; run it with a Python that has llama.cpp's requirements (${CONVERTER_PYTHON_ENV})" \
+            if "ModuleNotFoundError" in last else ""
+        raise ExportError(f"{converter}: failed on {out} ({last}){hint}")
     return gguf
 
