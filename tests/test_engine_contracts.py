@@ -64,11 +64,12 @@ from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.drafter.export import export_head
 from taps.drafter.layouts import EAGLE3_KEYS, LAYOUTS, TOKEN_MAP_NAME, ExportError
 from taps.testing import write_tiny_target
+from transformers import AutoConfig
 
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
            (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
 VLLM_VENV = Path(os.environ.get("TAPS_VLLM_VENV", "/work/vllm-venv"))
-AUX = [0, 1, 1]  # captured target layers of the EAGLE-3 test head (SGLang / SpecForge numbering)
+AUX = [1, 3, 4]  # the layers the EAGLE-3 test head reads: an 8-layer target's default (SGLang numbering)
 DRAFT_N = 128
 
 
@@ -203,44 +204,24 @@ def check_loads(engine: str, family: str, out: Path) -> dict:
 # ---- heads to export -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """An 8-layer tiny Llama target directory, an EAGLE-2 head and an EAGLE-3 head
+    (drafter/head3.py: it reads layers 1, 3 and 4 by default) for it, each drafting over every
+    third token."""
     root = tmp_path_factory.mktemp("contracts")
-    target_dir = write_tiny_target(root / "target", "llama", seed=0)
+    target_dir = write_tiny_target(root / "target", "llama", seed=0, layers=8)
     config = json.loads((target_dir / "config.json").read_text())
-    from transformers import AutoConfig
-    head = init_head(AutoConfig.from_pretrained(target_dir), seed=3).set_draft_vocab(torch.arange(0, 384, 3))
-    eagle = save_head(head, root / "eagle2", DrafterInfo(backbone="eagle2"))
-    return root, target_dir, config, eagle, eagle3_head(root / "eagle3", config)
+    hf_config = AutoConfig.from_pretrained(target_dir)
+    ids = torch.arange(0, 384, 3)
+    eagle = save_head(init_head(hf_config, seed=3).set_draft_vocab(ids), root / "eagle2", DrafterInfo(backbone="eagle2"))
+    return root, target_dir, config, eagle, eagle3_head(root / "eagle3", hf_config)
 
 
-def eagle3_head(out: Path, target: dict, aux=AUX) -> Path:
-    """A head in TAPS's EAGLE-3 layout (SpecForge / SGLang names, the lead's drafter/head3.py
-    checkpoint): random weights of the right shapes for the tiny target."""
-    h, v, n = target["hidden_size"], target["vocab_size"], DRAFT_N
-    hd, heads, kv, inter = target["head_dim"], target["num_attention_heads"], target["num_key_value_heads"], \
-        target["intermediate_size"]
-    g = torch.Generator().manual_seed(5)
-    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * h),
-              "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * h), "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * h),
-              "midlayer.self_attn.o_proj.weight": (h, heads * hd), "midlayer.mlp.gate_proj.weight": (inter, h),
-              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
-              "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
-              "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (n, h)}
-    tensors = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    ids = torch.arange(0, v, v // n)[:n]
-    tensors["d2t"] = ids - torch.arange(n)
-    tensors["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill_(0, ids, True)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors")
-    config = {k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                     "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
-                                     "rope_parameters", "hidden_act")}
-    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                  draft_vocab_size=n, target_hidden_size=h, tie_word_embeddings=False, bias=False,
-                  rope_theta=target["rope_parameters"]["rope_theta"],
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux)}, eagle_aux_hidden_state_layer_ids=list(aux),
-                  taps={"format_version": 1, "backbone": "eagle3", "target_name": "tiny"})
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+def eagle3_head(out: Path, target_config, aux=None) -> Path:
+    """A TAPS EAGLE-3 head (untrained) saved for the target, drafting over DRAFT_N tokens."""
+    v = target_config.vocab_size
+    ids = torch.arange(0, v, v // DRAFT_N)[:DRAFT_N]
+    head = init_head(target_config, seed=5, backbone="eagle3", draft_vocab_size=DRAFT_N, aux_layers=aux)
+    return save_head(head.set_draft_vocab(ids), out, DrafterInfo(backbone="eagle3"))
 
 
 # ---- the contract tests ----------------------------------------------------------------------
@@ -268,7 +249,6 @@ def test_eagle_head_as_taps_writes_it_fails_both_loaders(tiny, tmp_path):
         check_loads("sglang", "eagle", eagle)
     with pytest.raises(AssertionError, match="d2t -> model.d2t, not a parameter \\(raises\\)"):
         check_loads("vllm", "eagle", eagle)
-    from transformers import AutoConfig
     full = save_head(init_head(AutoConfig.from_pretrained(target_dir), seed=3), tmp_path / "full",
                      DrafterInfo(backbone="eagle2"))
     with pytest.raises(AssertionError, match=r"left at their init: \['model.fc.bias'\]"):
@@ -298,8 +278,8 @@ def test_eagle3_export_meets_the_loader(tiny, engine):
 
 
 def test_eagle3_refusals(tiny, tmp_path):
-    _, _, target, _, _ = tiny
-    two = eagle3_head(tmp_path / "two-layers", target, aux=[0, 1])
+    _, target_dir, _, _, _ = tiny
+    two = eagle3_head(tmp_path / "two-layers", AutoConfig.from_pretrained(target_dir), aux=[1, 4])
     with pytest.raises(ExportError, match="reads exactly 3 captured target layers, this head has 2"):
         export_head(two, "llama.cpp", tmp_path / "out")
     assert export_head(two, "vllm", tmp_path / "vllm").out.is_dir()  # vLLM sizes fc by the count
@@ -374,7 +354,7 @@ def test_llama_cpp_converts_an_eagle3_export(tmp_path):
     from taps.target_source import resolve_target
     hf = resolve_target("smollm2-135m-instruct")
     target = json.loads((hf / "config.json").read_text())
-    head = eagle3_head(tmp_path / "head", target, aux=[1, 14, 26])
+    head = eagle3_head(tmp_path / "head", AutoConfig.from_pretrained(hf), aux=[1, 14, 26])
     done = export_head(head, "llama.cpp", tmp_path / "out", target_model_dir=hf)
     reader = GGUFReader(done.gguf)
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.architecture", "eagle3."))}

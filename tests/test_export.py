@@ -18,7 +18,7 @@ from conftest import cached_model, hf_greedy
 from taps.cli import main
 from taps.config import DecodeConfig, TreeConfig
 from taps.decode import generate
-from taps.drafter.checkpoint import CheckpointError, DrafterInfo, load_head, save_head, weights_digest
+from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head, weights_digest
 from taps.drafter.export import export_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
 from taps.drafter.layouts import EAGLE_KEYS, EXPORT_RECORD, TOKEN_MAP_NAME, ExportError
@@ -170,8 +170,11 @@ def test_vllm_speculators_names_and_model_prefix_load(tmp_path, setting):
 
 @pytest.mark.parametrize("change, message", [
     (lambda c, t: c.update(architectures=["MedusaModel"]), r"architectures \['MedusaModel'\] is not an EAGLE head"),
-    (lambda c, t: c.update(architectures=["LlamaForCausalLMEagle3"]), "an EAGLE-3 head"),
-    (lambda c, t: t.update({"midlayer.hidden_norm.weight": torch.ones(64)}), "an EAGLE-3 head"),
+    # an EAGLE-2 network named EAGLE-3, or with one EAGLE-3 tensor: read as EAGLE-3, strictly
+    (lambda c, t: c.update(architectures=["LlamaForCausalLMEagle3"], eagle_aux_hidden_state_layer_ids=[0]),
+     r"missing key\(s\) .*midlayer"),
+    (lambda c, t: (c.update(eagle_aux_hidden_state_layer_ids=[0]), t.update({"midlayer.hidden_norm.weight": torch.ones(64)})),
+     r"missing key\(s\) .*midlayer.input_layernorm"),
     (lambda c, t: t.update({"fusion_fc.weight": t["fc.weight"].clone()}), "key fc.weight appears twice"),
     (lambda c, t: t.update({"model.fc.weight": t["fc.weight"].clone()}), r"unexpected key\(s\) model.fc.weight"),
 ])
@@ -209,3 +212,66 @@ def test_unsorted_token_map_is_the_same_vocabulary(tmp_path, setting):
     out = export_head(_saved(tmp_path, setting, "eagle2"), "sglang", tmp_path / "sglang").out
     torch.save(ids.flip(0).tolist(), out / TOKEN_MAP_NAME)  # SGLang takes any order
     assert torch.equal(load_head(out, target).draft_ids, ids)
+
+
+# ---- EAGLE-3 heads (drafter/head3.py) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle3_setting():
+    """An 8-layer tiny Llama (EAGLE-3 reads layers 1, 3 and 4 of it by default) and an EAGLE-3 head
+    drafting over every third token."""
+    from taps.testing import tiny_model
+    model = tiny_model("llama", seed=0, layers=8)
+    model.requires_grad_(False)
+    target = Target(model)
+    ids = torch.arange(0, 384, 3)
+    head = init_head(model.config, seed=1, backbone="eagle3", draft_vocab_size=int(ids.numel()))
+    return model, target, head.set_draft_vocab(ids).attach(target), ids
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "llama.cpp"])
+def test_eagle3_export_import_round_trip(tmp_path, eagle3_setting, engine):
+    """Every engine takes an EAGLE-3 head with its draft vocabulary, so the round trip is exact:
+    the same weights, vocabulary and captured layers (numbered the engine's way in the export,
+    TAPS's way again once loaded), the same greedy steps, lossless."""
+    model, target, head, ids = eagle3_setting
+    src = save_head(head, tmp_path / "eagle3-head", DrafterInfo(backbone="eagle3", tokenizer_fingerprint=None))
+    out = export_head(src, engine, tmp_path / engine).out
+    config = json.loads((out / "config.json").read_text())
+    shift = 0 if engine == "sglang" else 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + shift for i in head.aux_layers]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + shift for i in head.aux_layers]
+    loaded = load_head(out, target)
+    assert loaded.aux_layers == head.aux_layers and torch.equal(loaded.draft_ids, ids)
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    head.attach(target)  # the target captures the layers of the head last attached: the same ones
+    for prompt in ([5, 9, 2, 7, 11], [3, 1, 4, 1, 5, 9, 2, 6]):
+        a = generate(target, SingleProposer(head, TREE), prompt, DecodeConfig(max_new_tokens=NEW))
+        b = generate(target, SingleProposer(loaded, TREE), prompt, DecodeConfig(max_new_tokens=NEW))
+        assert a.tokens == b.tokens == hf_greedy(model, prompt, NEW)
+        assert [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
+
+
+def test_eagle3_full_vocabulary_head(tmp_path, eagle3_setting):
+    """A head over the whole vocabulary: SGLang and llama.cpp get draft_vocab_size = V (llama.cpp's
+    converter detects EAGLE-3 by that key); vLLM gets no d2t (it builds none when N = V)."""
+    model, target, _, _ = eagle3_setting
+    head = init_head(model.config, seed=2, backbone="eagle3").attach(target)
+    src = save_head(head, tmp_path / "full", DrafterInfo(backbone="eagle3"))
+    sglang = export_head(src, "sglang", tmp_path / "sglang").out
+    assert json.loads((sglang / "config.json").read_text())["draft_vocab_size"] == 384
+    assert not load_file(sglang / "model.safetensors")["d2t"].any()
+    vllm = export_head(src, "vllm", tmp_path / "vllm").out
+    assert "draft_vocab_size" not in json.loads((vllm / "config.json").read_text())
+    assert "d2t" not in load_file(vllm / "model.safetensors")
+    for out in (sglang, vllm):
+        loaded = load_head(out, target)
+        assert torch.equal(loaded.lm_head.weight, head.lm_head.weight)
+
+
+def test_an_export_is_not_exported_again(tmp_path, eagle3_setting):
+    _, _, head, _ = eagle3_setting
+    src = save_head(head, tmp_path / "h", DrafterInfo(backbone="eagle3"))
+    out = export_head(src, "vllm", tmp_path / "vllm").out
+    with pytest.raises(ExportError, match="already an export for vllm; export the TAPS head it came from"):
+        export_head(out, "llama.cpp", tmp_path / "again")

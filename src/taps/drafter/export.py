@@ -74,9 +74,14 @@ def _eagle3_ids(config: dict, tensors: dict[str, torch.Tensor], layout: EngineLa
     """The draft ids of an EAGLE-3 head, checked (its lm_head has one row per draft token), and the
     captured target layers, counted the engine's way, in both places the engines read them."""
     ids = pop_draft_vocab(tensors, config, where)
-    if ids is None:
-        raise ExportError(f"{where / 'config.json'}: an EAGLE-3 head needs draft_vocab_size (with d2t, t2d)")
     rows = tuple(tensors["lm_head.weight"].shape)
+    if ids is None and rows[0] == int(config["vocab_size"]):
+        # a full-vocabulary head: written as a draft vocabulary of every token, since llama.cpp's
+        # converter recognises an EAGLE-3 head by its draft_vocab_size
+        ids = torch.arange(rows[0])
+    elif ids is None:
+        raise ExportError(f"{where / 'config.json'}: lm_head.weight has {rows[0]} rows: a draft vocabulary needs "
+                          "draft_vocab_size with d2t, t2d")
     if rows[0] != ids.numel():
         raise ExportError(f"{where}: lm_head.weight has {rows[0]} rows, draft_vocab_size is {ids.numel()}")
     layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
@@ -102,6 +107,9 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
     layout = layout_for(engine, info.backbone, str(head))
     if family_of_checkpoint(config, tensors) != layout.family:
         raise ExportError(f"{head}: its backbone is {info.backbone} but its tensors are not a {layout.family} head")
+    if "exported" in info.extra:
+        raise ExportError(f"{head}: already an export for {info.extra['exported'].get('engine')}; export the TAPS "
+                          f"head it came from ({info.extra['exported'].get('source')})")
     if out.resolve() == head.resolve():
         raise ExportError(f"--out {out}: the export would overwrite the head it reads")
     config = dict(config)
@@ -147,10 +155,11 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
 
 
 def _convert_gguf(out: Path, layout: EngineLayout, target_model_dir, llama_cpp) -> Path | None:
-    """llama.cpp: the GGUF file too, when its converter is at hand (--llama-cpp or $TAPS_LLAMA_CPP)."""
+    """llama.cpp: the GGUF file too, when its converter is at hand (--llama-cpp, or $TAPS_LLAMA_CPP
+    with --target-model-dir: the converter reads the target's config and tokenizer)."""
     root = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
-    if not root:
-        return None
+    if not root or (llama_cpp is None and target_model_dir is None):
+        return None  # no converter named, or only $TAPS_LLAMA_CPP and no target to convert against
     converter = Path(root) / CONVERTER
     if not converter.is_file():
         raise ExportError(f"--llama-cpp {root}: no {CONVERTER} there (a llama.cpp source directory has one)")
