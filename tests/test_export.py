@@ -275,3 +275,24 @@ def test_an_export_is_not_exported_again(tmp_path, eagle3_setting):
     out = export_head(src, "vllm", tmp_path / "vllm").out
     with pytest.raises(ExportError, match="already an export for vllm; export the TAPS head it came from"):
         export_head(out, "llama.cpp", tmp_path / "again")
+
+
+def test_exports_compose_in_taps_generate(tmp_path, target_dir, capsys):
+    """The engines' layouts are drafters like any other: `taps generate` merges an SGLang export
+    with a vLLM export of another head (the same load path serves `taps eval` and `taps serve`:
+    propose/factory.load_member -> load_head), and greedy output is plain decoding's."""
+    from taps.drafter.checkpoint import init_head as init
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(target_dir)
+    heads = []
+    for seed, engine in ((3, "sglang"), (4, "vllm")):
+        head = init(config, seed=seed).set_draft_vocab(torch.arange(0, 384, 2))
+        src = save_head(head, tmp_path / f"h{seed}", DrafterInfo(backbone="hass"))
+        heads.append(f"{engine}={export_head(src, engine, tmp_path / engine).out}")
+    common = ["generate", "--target", str(target_dir), "--prompt-ids", "30,31,32,33", "--max-new-tokens", "12",
+              "--device", "cpu", "--dtype", "float32", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(common + ["--drafter", heads[0], "--drafter", heads[1], "--strategy", "merge"]) == 0
+    merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert merged["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 12
