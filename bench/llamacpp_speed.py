@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from taps.drafter.export import export_head  # noqa: E402
+from taps.drafter.export import GGUF_NAME, export_head  # noqa: E402
 from taps.eval.benchmarks import load_benchmark  # noqa: E402
 from taps.jsonl import append_jsonl, read_jsonl  # noqa: E402
 from taps.target_source import find_gguf, resolve_target  # noqa: E402
@@ -115,7 +115,7 @@ def target_gguf(target: str, outtype: str | None, source: Path, work: Path) -> t
 
 def head_gguf(head: Path, source: Path, hf: Path, work: Path) -> Path:
     out = work / f"{head.name}-llamacpp"
-    gguf = out / "head-f32.gguf"
+    gguf = out / GGUF_NAME
     if not gguf.is_file():
         try:
             export_head(head, "llama.cpp", out, target_model_dir=hf, llama_cpp=source)

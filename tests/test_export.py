@@ -143,7 +143,7 @@ def test_export_refusals_name_the_problem(tmp_path, setting):
         export_head(src, "sglang", tmp_path / "x")
     config["taps"]["backbone"] = "eagle3"  # says eagle3, holds an EAGLE-2 network
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match="not a eagle3 head"):
+    with pytest.raises(ExportError, match="its backbone is eagle3 but its tensors are an? eagle head"):
         export_head(src, "sglang", tmp_path / "x")
 
 
@@ -296,3 +296,14 @@ def test_exports_compose_in_taps_generate(tmp_path, target_dir, capsys):
     assert main(common + ["--drafter", heads[0], "--drafter", heads[1], "--strategy", "merge"]) == 0
     merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert merged["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 12
+
+
+def test_untrained_heads_export_by_their_tensors(tmp_path, eagle3_setting, setting):
+    _, _, head3, _ = eagle3_setting
+    _, _, head, _, _ = setting
+    three = save_head(head3, tmp_path / "u3", DrafterInfo(backbone="untrained"))
+    two = save_head(head, tmp_path / "u2", DrafterInfo(backbone="untrained"))
+    assert export_head(three, "llama.cpp", tmp_path / "x3").family == "eagle3"
+    assert export_head(two, "vllm", tmp_path / "x2").family == "eagle"
+    with pytest.raises(ExportError, match="this untrained head cannot be exported for llama.cpp"):
+        export_head(two, "llama.cpp", tmp_path / "x2b")

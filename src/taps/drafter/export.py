@@ -30,6 +30,7 @@ from taps.drafter.layouts import (EAGLE3_KEYS, EAGLE_KEYS, EXPORT_RECORD, TOKEN_
 from taps.jsonl import write_json_atomic
 
 CONVERTER = "convert_hf_to_gguf.py"
+GGUF_NAME = "head-f32.gguf"
 LLAMA_CPP_ENV = "TAPS_LLAMA_CPP"  # a llama.cpp source directory (the one holding convert_hf_to_gguf.py)
 # the Python that runs the converter: it needs llama.cpp's requirements (sentencepiece, ...), which
 # TAPS's own environment may lack (default: this Python)
@@ -104,9 +105,7 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
     head, out = Path(head), Path(out)
     config, info = read_config(head)
     tensors = read_weights(head)
-    layout = layout_for(engine, info.backbone, str(head))
-    if family_of_checkpoint(config, tensors) != layout.family:
-        raise ExportError(f"{head}: its backbone is {info.backbone} but its tensors are not a {layout.family} head")
+    layout = layout_for(engine, info.backbone, family_of_checkpoint(config, tensors), str(head))
     if "exported" in info.extra:
         raise ExportError(f"{head}: already an export for {info.extra['exported'].get('engine')}; export the TAPS "
                           f"head it came from ({info.extra['exported'].get('source')})")
@@ -139,7 +138,8 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
         record["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
     out.mkdir(parents=True, exist_ok=True)
     token_map = out / TOKEN_MAP_NAME
-    token_map.unlink(missing_ok=True)  # a rerun for another engine must not leave a stale map behind
+    for stale in (token_map, out / GGUF_NAME):
+        stale.unlink(missing_ok=True)  # a rerun (another engine, another head) must not leave these behind
     exported = DrafterInfo(info.backbone, info.training_data, info.target_name, info.tokenizer_fingerprint,
                            extra={**info.extra, "exported": record})
     write_drafter(out, config, tensors, exported, keep_ids)
@@ -166,7 +166,7 @@ def _convert_gguf(out: Path, layout: EngineLayout, target_model_dir, llama_cpp) 
     if target_model_dir is None:
         raise ExportError("--target-model-dir: llama.cpp's converter needs the target's Hugging Face directory "
                           "to convert an EAGLE-3 head")
-    gguf = out / "head-f32.gguf"
+    gguf = out / GGUF_NAME
     cmd = [os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable, str(converter), str(out), "--target-model-dir", str(target_model_dir),
            "--outfile", str(gguf), "--outtype", "f32"]
     run = subprocess.run(cmd, capture_output=True, text=True)

@@ -103,17 +103,19 @@ LAYOUTS: dict[tuple[str, str], EngineLayout] = {
 }
 
 
-def layout_for(engine: str, backbone: str, where: str) -> EngineLayout:
-    """The row for a head of this backbone, or an ExportError naming what is missing."""
-    family = FAMILY_OF_BACKBONE.get(backbone)
-    if family is None:
+def layout_for(engine: str, backbone: str, family: str, where: str) -> EngineLayout:
+    """The row for a head of this backbone whose tensors are of `family` (an untrained head's
+    family is its tensors'), or an ExportError naming what is missing or does not agree."""
+    if backbone not in FAMILY_OF_BACKBONE:
         raise ExportError(f"{where}: backbone {backbone!r} is not one TAPS exports "
                           f"(known: {', '.join(FAMILY_OF_BACKBONE)})")
+    if backbone != "untrained" and FAMILY_OF_BACKBONE[backbone] != family:
+        raise ExportError(f"{where}: its backbone is {backbone} but its tensors are an {family} head")
     if engine not in ENGINES:
         raise ExportError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     layout = LAYOUTS[(engine, family)]
     if layout.refusal:
-        raise ExportError(f"{where}: a {backbone} head cannot be exported for {engine}: {layout.refusal}")
+        raise ExportError(f"{where}: this {backbone} head cannot be exported for {engine}: {layout.refusal}")
     return layout
 
 
