@@ -307,3 +307,38 @@ def test_untrained_heads_export_by_their_tensors(tmp_path, eagle3_setting, setti
     assert export_head(two, "vllm", tmp_path / "x2").family == "eagle"
     with pytest.raises(ExportError, match="this untrained head cannot be exported for llama.cpp"):
         export_head(two, "llama.cpp", tmp_path / "x2b")
+
+
+@pytest.mark.slow
+def test_every_shipped_head_exports_and_round_trips(tmp_path):
+    """The nine shipped heads, exported for SGLang and vLLM and loaded back against the real
+    target in float32: the same weights, greedy output identical to plain decoding on a math and a
+    chat prompt, and acceptance within noise of the original head (SGLang's export keeps the draft
+    vocabulary, so its steps are the original's; vLLM's drafts over the whole vocabulary)."""
+    from pathlib import Path
+
+    from taps.decode import chat_ids
+    shipped = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct" / "drafters"
+    target = Target.load("smollm2-135m-instruct", device="cpu", dtype="float32")
+    cfg = DecodeConfig(max_new_tokens=24, stop_token_ids=target.stop_token_ids())
+    prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in
+               ("Tom has 7 apples and buys 5 more. He eats 3. How many apples does he have left?",
+                "Give me three tips for staying focused while studying.")]
+    plain = [generate(target, None, ids, cfg).tokens for ids in prompts]
+    names = sorted(p.name for p in shipped.iterdir() if p.is_dir())
+    assert len(names) == 9
+    for name in names:
+        original = load_head(shipped / name, target)
+        runs = [generate(target, SingleProposer(original, TreeConfig()), ids, cfg) for ids in prompts]
+        accepted = sum(s.accepted for r in runs for s in r.steps)
+        for engine in ("sglang", "vllm"):
+            loaded = load_head(export_head(shipped / name, engine, tmp_path / f"{name}-{engine}").out, target)
+            for key, value in original.state_dict().items():
+                assert torch.equal(loaded.state_dict()[key], value), (name, engine, key)
+            runs_x = [generate(target, SingleProposer(loaded, TreeConfig()), ids, cfg) for ids in prompts]
+            assert [r.tokens for r in runs_x] == plain, (name, engine)
+            accepted_x = sum(s.accepted for r in runs_x for s in r.steps)
+            if engine == "sglang":
+                assert [[s.accepted for s in r.steps] for r in runs_x] == [[s.accepted for s in r.steps] for r in runs]
+            assert accepted_x > 0 and abs(accepted_x - accepted) <= max(2, NOISE * accepted), (name, engine,
+                                                                                                accepted, accepted_x)
