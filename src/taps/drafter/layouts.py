@@ -23,8 +23,9 @@ read from):
   OUTPUT of layer i (set_eagle3_layers_to_capture adds 1); vLLM and llama.cpp name layer j for the
   INPUT of layer j (0 = the embedding). An export for those two adds 1 to every id.
 
-A family is the network: "eagle" (TAPS's eagle2 and hass backbones, and untrained heads: one
-network, two training objectives) or "eagle3". Adding an engine or a family is adding rows.
+A family is the network: "eagle" (TAPS's eagle2 and hass backbones: one network, two training
+objectives) or "eagle3"; an untrained head's family is its tensors'. Adding an engine or a family
+is adding rows.
 """
 
 from __future__ import annotations
