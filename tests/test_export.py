@@ -342,3 +342,23 @@ def test_every_shipped_head_exports_and_round_trips(tmp_path):
                 assert [[s.accepted for s in r.steps] for r in runs_x] == [[s.accepted for s in r.steps] for r in runs]
             assert accepted_x > 0 and abs(accepted_x - accepted) <= max(2, NOISE * accepted), (name, engine,
                                                                                                 accepted, accepted_x)
+
+
+@pytest.mark.parametrize("architectures", [["LlamaForCausalLMEagle3"], ["LlamaForCausalLM"]])
+def test_specforge_eagle3_checkpoint_loads(tmp_path, eagle3_setting, architectures):
+    """An EAGLE-3 head as SpecForge saves it (no taps block, a frozen copy of the embedding) or in
+    vLLM's naming (LlamaForCausalLM, told apart by its midlayer tensors) is a TAPS drafter."""
+    _, target, head, ids = eagle3_setting
+    src = save_head(head, tmp_path / "specforge", DrafterInfo(backbone="eagle3"))
+    config = json.loads((src / "config.json").read_text())
+    del config["taps"]
+    config["architectures"] = architectures
+    (src / "config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "model.safetensors")
+    tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+    save_file(tensors, src / "model.safetensors")
+    with pytest.warns(UserWarning, match="no taps.tokenizer_fingerprint"):
+        loaded = load_head(src, target)
+    assert loaded.aux_layers == head.aux_layers and torch.equal(loaded.draft_ids, ids)
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
