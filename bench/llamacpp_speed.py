@@ -118,7 +118,7 @@ def head_gguf(head: Path, source: Path, hf: Path, work: Path) -> Path:
     gguf = out / GGUF_NAME
     if not gguf.is_file():
         try:
-            export_head(head, "llama.cpp", out, target_model_dir=hf, llama_cpp=source)
+            export_head(head, "llama.cpp", out, target_model_dir=hf, llama_cpp=source, force=True)
         except ValueError as err:  # ExportError, CheckpointError: one line naming the cause
             raise StepFailed(f"exporting {head} for llama.cpp: {err}") from None
     return gguf

@@ -22,6 +22,7 @@ from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, loa
 from taps.drafter.export import export_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
 from taps.drafter.layouts import EAGLE_KEYS, EXPORT_RECORD, TOKEN_MAP_NAME, ExportError
+from taps.outputs import OutputError
 from taps.propose.single import SingleProposer
 from taps.target import Target
 
@@ -134,8 +135,11 @@ def test_fc_bias_rules(tmp_path, setting):
 
 def test_export_refusals_name_the_problem(tmp_path, setting):
     src = _saved(tmp_path, setting, "eagle2")
-    with pytest.raises(ExportError, match="would overwrite the head it reads"):
-        export_head(src, "vllm", src)
+    with pytest.raises(OutputError, match="is also the input HEAD"):
+        export_head(src, "vllm", src, force=True)
+    export_head(src, "vllm", tmp_path / "once")
+    with pytest.raises(OutputError, match="holds a drafter already; pass --force"):
+        export_head(src, "sglang", tmp_path / "once")
     config = json.loads((src / "config.json").read_text())
     config["taps"]["backbone"] = "medusa"
     (src / "config.json").write_text(json.dumps(config))
@@ -151,7 +155,7 @@ def test_rerun_for_another_engine_leaves_no_stale_token_map(tmp_path, setting):
     src = _saved(tmp_path, setting, "eagle2")
     export_head(src, "sglang", tmp_path / "out")
     assert (tmp_path / "out" / TOKEN_MAP_NAME).exists()
-    export_head(src, "vllm", tmp_path / "out")
+    export_head(src, "vllm", tmp_path / "out", force=True)
     assert not (tmp_path / "out" / TOKEN_MAP_NAME).exists()
 
 

@@ -1,6 +1,6 @@
 """`taps export`: argument parsing only; the work is drafter/export.py.
 
-    taps export HEAD --engine sglang|vllm|llama.cpp --out DIR [--target-model-dir T --llama-cpp SRC]
+    taps export HEAD --engine sglang|vllm|llama.cpp --out DIR [--target-model-dir T --llama-cpp SRC] [--force]
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ def register(sub) -> None:
                                               "which llama.cpp's converter reads too")
     p.add_argument("--llama-cpp", metavar="SRC", help=f"llama.cpp source directory: also write the GGUF file with its "
                                                       f"convert_hf_to_gguf.py (default: ${LLAMA_CPP_ENV})")
+    p.add_argument("--force", action="store_true", help="replace a drafter or an export already in --out")
     p.set_defaults(func=_export)
 
 
 def _export(args) -> int:
-    print(export_head(args.head, args.engine, args.out, args.target_model_dir, args.llama_cpp).summary())
+    print(export_head(args.head, args.engine, args.out, args.target_model_dir, args.llama_cpp, args.force).summary())
     return 0

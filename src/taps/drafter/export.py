@@ -28,6 +28,7 @@ from taps.drafter.checkpoint import (DrafterInfo, pop_draft_vocab, read_config, 
 from taps.drafter.layouts import (EAGLE3_KEYS, EAGLE_KEYS, EXPORT_RECORD, TOKEN_MAP_NAME, EngineLayout,
                                   ExportError, family_of_checkpoint, layout_for)
 from taps.jsonl import write_json_atomic
+from taps.outputs import check_output_dir
 
 CONVERTER = "convert_hf_to_gguf.py"
 GGUF_NAME = "head-f32.gguf"
@@ -100,8 +101,9 @@ def _eagle3_ids(config: dict, tensors: dict[str, torch.Tensor], layout: EngineLa
 
 
 def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir: str | Path | None = None,
-                llama_cpp: str | Path | None = None) -> Export:
-    """Write `out` for `engine` from the TAPS head directory `head` (module docstring)."""
+                llama_cpp: str | Path | None = None, force: bool = False) -> Export:
+    """Write `out` for `engine` from the TAPS head directory `head` (module docstring). A drafter
+    (an earlier export included) already in `out` is replaced only with force."""
     head, out = Path(head), Path(out)
     config, info = read_config(head)
     tensors = read_weights(head)
@@ -109,8 +111,7 @@ def export_head(head: str | Path, engine: str, out: str | Path, target_model_dir
     if "exported" in info.extra:
         raise ExportError(f"{head}: already an export for {info.extra['exported'].get('engine')}; export the TAPS "
                           f"head it came from ({info.extra['exported'].get('source')})")
-    if out.resolve() == head.resolve():
-        raise ExportError(f"--out {out}: the export would overwrite the head it reads")
+    check_output_dir(out, "drafter", force=force, inputs=[("HEAD", head)])
     config = dict(config)
     if layout.family == "eagle3":
         ids = _eagle3_ids(config, tensors, layout, head)
