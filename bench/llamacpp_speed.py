@@ -232,6 +232,8 @@ def main() -> int:
         print("llamacpp_speed: cmake is needed to build llama.cpp (apt-get install cmake, or pip install cmake)",
               file=sys.stderr)
         return 2
+    # the prompts first: a missing data directory should not wait for a build
+    questions = {bench: load_benchmark(bench, args.data_dir, limit=args.n + 1) for bench in args.benches.split(",")}
     try:
         source = args.llama_cpp or sdist_source(args.sdist, args.work)
         server = build(source, args.jobs)
@@ -245,8 +247,8 @@ def main() -> int:
             for mode, draft in (("plain", None), ("eagle3", head)):
                 log = args.work / f"server-{mode}-t{threads}.log"
                 with Server(server, target, threads, log, draft, args.draft_max) as srv:
-                    for bench in args.benches.split(","):
-                        for i, q in enumerate(load_benchmark(bench, args.data_dir, limit=args.n + 1)):
+                    for bench, qs in questions.items():
+                        for i, q in enumerate(qs):
                             if (bench, i, threads, mode) in done:
                                 continue
                             rec = record(bench, i, threads, mode, srv.chat(q.turns[0], args.new_tokens))
