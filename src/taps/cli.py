@@ -19,6 +19,7 @@ from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree
 from taps.config import DecodeConfig, SamplingConfig
 from taps.data import commands as data_commands
 from taps.decode import ContextWindowError
+from taps.drafter import commands as drafter_commands
 from taps.drafter.checkpoint import CheckpointError, write_untrained
 from taps.eval import commands as eval_commands
 from taps.eval.drafter_table import table_of_directory
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     eval_commands.register_study(sub)
     eval_commands.register_report(sub)
     serve_commands.register(sub)
+    drafter_commands.register(sub)
     return parser
 
 

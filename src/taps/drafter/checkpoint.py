@@ -13,6 +13,10 @@ do and SGLang reads it: config.json `"draft_vocab_size": N`, and in model.safete
 (int64 [N], the offset form: target id of draft index i = d2t[i] + i) and `t2d` (bool [V], True
 at the target ids in the draft vocabulary). Both tensors must be there, agree with each other and
 with the target's vocabulary; a head without draft_vocab_size must have neither.
+
+Heads in the serving engines' layouts load through the same strict path (drafter/layouts.py):
+vLLM's architecture and tensor names, SGLang's always-present fc.bias, and a draft vocabulary
+given as SGLang's token map file instead of d2t / t2d.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 from taps.drafter.head import DraftHead, EagleHead, head_config_for
 from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
+from taps.drafter.layouts import (CheckpointError, family_of_checkpoint, foreign_eagle_to_taps, read_token_map,
+                                  taps_layer_numbering)
 from taps.identity import file_sha256
 from taps.jsonl import read_json
 from taps.outputs import check_output_dir
@@ -47,10 +53,6 @@ NOT_HEAD_CONFIG = ("taps", "bias", "architectures", "rope_theta", "model_type", 
                    "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "draft_vocab_size",
                    "eagle_config", AUX_LAYERS_KEY, "target_hidden_size")
 DRAFT_VOCAB_KEYS = ("d2t", "t2d")
-
-
-class CheckpointError(ValueError):
-    """A drafter checkpoint that does not fit the target (or is not a drafter checkpoint)."""
 
 
 @dataclass
@@ -257,7 +259,14 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> Dr
 
     weights = path / WEIGHTS_NAME
     tensors = read_weights(path)
+    eagle3 = family_of_checkpoint(config, tensors) == "eagle3"  # by architecture or by its midlayer tensors
+    if eagle3:
+        config = taps_layer_numbering(config, info.extra.get("exported"))
+    else:
+        tensors = foreign_eagle_to_taps(config, tensors, path)
     draft_ids = pop_draft_vocab(tensors, config, path)
+    if draft_ids is None and not eagle3:
+        draft_ids = read_token_map(path, config["vocab_size"])  # an SGLang export's --speculative-token-map
 
     fields = {k: v for k, v in config.items() if k not in NOT_HEAD_CONFIG}
     if "rope_parameters" not in fields and "rope_theta" in config:
@@ -267,7 +276,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> Dr
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{cfg_path}: not a valid Llama head config ({err})") from None
     head_config._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
-    if is_eagle3_config(config):
+    if eagle3:
         head = Eagle3Head(_eagle3_fields(head_config, config, target, cfg_path, draft_ids))
     else:
         head = EagleHead(head_config, bias=bool(config.get("bias", "fc.bias" in tensors)))
