@@ -313,3 +313,24 @@ def test_init_from_target_starts_in_the_targets_output_space(target):
         assert not torch.allclose(head.logits(hidden), expected)
         head.init_from_target(target)
         torch.testing.assert_close(head.logits(hidden), expected)
+
+
+def test_averaging_and_reducing_refuse_eagle3_heads_where_they_cannot_work(target, tmp_path):
+    """Averaging stays within one backbone, on disk too, and an EAGLE-3 head in vLLM's naming (no
+    Eagle3 architecture, only its midlayer tensors) is still known as one; reduce-vocab refuses it."""
+    import os
+
+    from taps.drafter.average import AverageError, average_checkpoints
+    from taps.train.draft_vocab import reduce_vocab
+
+    save_head(init_head(target.model.config, seed=1), tmp_path / "e2", DrafterInfo(backbone="eagle2"))
+    save_head(eagle3_head(target, seed=2), tmp_path / "e3", DrafterInfo(backbone="eagle3"))
+    assert (os.stat(tmp_path / "e3" / "model.safetensors").st_mode & 0o044) == 0o044  # readable by other users
+    path = tmp_path / "e3" / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(AverageError, match="within one backbone"):
+        average_checkpoints([tmp_path / "e2", tmp_path / "e3"], tmp_path / "avg")
+    with pytest.raises(ValueError, match="EAGLE-3 head's own LM head"):
+        reduce_vocab(tmp_path / "e3", [str(tmp_path)], 16, tmp_path / "red")

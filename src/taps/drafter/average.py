@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from taps.drafter.checkpoint import (DrafterInfo, is_eagle3_config, pop_draft_vocab, read_config, read_weights,
-                                    write_drafter)
+from taps.drafter.checkpoint import DrafterInfo, pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.drafter.layouts import family_of_checkpoint
 from taps.drafter.head import EagleHead
 from taps.drafter.head3 import Eagle3Head
 from taps.drafter.weights import AverageError, check_weights
@@ -143,7 +143,8 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     weights = check_weights(weights, len(paths))
     labels = [str(p) for p in paths]
     configs, infos = zip(*(read_config(p) for p in paths))
-    kinds = [is_eagle3_config(c) for c in configs]
+    tensors = [read_weights(p) for p in paths]
+    kinds = [family_of_checkpoint(c, t) == "eagle3" for c, t in zip(configs, tensors)]  # by name or by its tensors
     if len(set(kinds)) > 1:
         other = labels[kinds.index(not kinds[0])]
         raise AverageError(f"averaging stays within one backbone: {labels[0]} is "
@@ -161,7 +162,6 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     if any(i.tokenizer_fingerprint is None for i in infos):
         warnings.warn("some drafters carry no taps.tokenizer_fingerprint (foreign checkpoints?); "
                       "their target could not be checked")
-    tensors = [read_weights(p) for p in paths]
     vocabs = [pop_draft_vocab(t, c, p) for t, c, p in zip(tensors, configs, paths)]
     if kinds[0] and not all(_same_ids(v, vocabs[0]) for v in vocabs[1:]):
         raise AverageError(f"draft vocabulary: the EAGLE-3 heads {', '.join(labels)} have their own LM heads over "

@@ -91,8 +91,14 @@ def init_head(target_config, seed: int = 0, bias: bool = False, attn_implementat
         return EagleHead(head_config_for(target_config, attn_implementation), bias=bias)
 
 
-def is_eagle3_config(config: dict) -> bool:
-    return any("Eagle3" in str(a) for a in config.get("architectures") or [])
+def _process_umask() -> int:
+    """Read once, at import (setting and restoring it later would race with other threads)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _process_umask()
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -100,6 +106,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it 0600: an engine serving as another user must read a head
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from taps.data.features import FeatureSet
-from taps.drafter.checkpoint import is_eagle3_config, pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.drafter.checkpoint import pop_draft_vocab, read_config, read_weights, write_drafter
+from taps.drafter.layouts import family_of_checkpoint
 from taps.outputs import check_output_dir
 
 
@@ -110,11 +111,11 @@ def reduce_vocab(drafter: str | Path, features: Sequence[str], size: int, out_di
     drafter = Path(drafter)
     check_output_dir(out_dir, "drafter", force=force, inputs=[("--drafter", drafter)])
     config, info = read_config(drafter)
-    if is_eagle3_config(config):
+    tensors = read_weights(drafter)
+    if family_of_checkpoint(config, tensors) == "eagle3":  # by its architecture or its midlayer tensors
         raise ValueError(f"{drafter}: an EAGLE-3 head's own LM head fixes its draft vocabulary (one row per token); "
                          "train a new head with --draft-vocab N instead")
     check_size(size, int(config["vocab_size"]))
-    tensors = read_weights(drafter)
     pop_draft_vocab(tensors, config, drafter)  # checked, then replaced
     shards = FeatureSet.from_specs(list(features), fingerprint=info.tokenizer_fingerprint)
     if shards.hidden_size != config["hidden_size"]:
