@@ -41,12 +41,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from taps.drafter.export import GGUF_NAME, export_head  # noqa: E402
-from taps.eval.benchmarks import load_benchmark  # noqa: E402
-from taps.jsonl import append_jsonl, read_jsonl  # noqa: E402
-from taps.target_source import find_gguf, resolve_target  # noqa: E402
+from taps.drafter.export import GGUF_NAME, export_head
+from taps.eval.benchmarks import load_benchmark
+from taps.jsonl import append_jsonl, read_jsonl
+from taps.target_source import find_gguf, resolve_target
 
 SERVER = "llama-server"
 
