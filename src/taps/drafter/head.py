@@ -100,7 +100,7 @@ class DraftHead(nn.Module):
         when the head was only bound, not attached)."""
         h = int(self.config.hidden_size)
         if self._columns is None:
-            return features[..., :h] if features.shape[-1] != h else features
+            return features[..., :h]  # a view: the last layer comes first
         if isinstance(self._columns, slice):
             return features[..., self._columns]  # a view: the usual case (the layers were captured in order)
         return features.index_select(-1, self._columns.to(features.device))
