@@ -101,6 +101,9 @@ def test_eagle3_needs_attaching_before_decoding(target):
 def test_too_shallow_targets_need_named_layers():
     with pytest.raises(ValueError, match="name them"):
         init_head(tiny_model("llama", layers=2).config, backbone="eagle3")
+    # one layer would make a target input and the head's own output the same width: refused
+    with pytest.raises(ValueError, match="at least two"):
+        init_head(tiny_model("llama", layers=LAYERS).config, backbone="eagle3", aux_layers=(2,))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -40,11 +40,13 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def check_aux_layers(layers, num_layers: int, where: str) -> tuple[int, ...]:
-    """Distinct decoder-layer indices in [0, num_layers - 1): the last layer's output is not a
-    hidden state the engines capture (the final norm follows it)."""
-    if (not isinstance(layers, (list, tuple)) or not layers
+    """At least two distinct decoder-layer indices in [0, num_layers - 1) (three for SGLang and
+    llama.cpp; vLLM sizes fc by the count): the last layer's output is not a hidden state the
+    engines capture (the final norm follows it), and `forward` tells a target input (k x H) from
+    the head's own output (H) by its width, which one layer would make ambiguous."""
+    if (not isinstance(layers, (list, tuple)) or len(layers) < 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
-        raise ValueError(f"{where}: {AUX_LAYERS_KEY} must be a list of layer indices, got {layers!r}")
+        raise ValueError(f"{where}: {AUX_LAYERS_KEY} must be a list of layer indices (at least two), got {layers!r}")
     if len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) >= num_layers - 1:
         raise ValueError(f"{where}: {AUX_LAYERS_KEY} {list(layers)} must be distinct layer indices in "
                          f"[0, {num_layers - 1}) for a target of {num_layers} layers")
