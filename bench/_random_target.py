@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from taps.cli_args import add_tree_arguments, speculation_from
-from taps.config import TreeConfig
-from taps.target import Target, resolve_device
-from taps.testing import bench_model
+from taps.cli.args import add_tree_arguments, speculation_from
+from taps.core.config import TreeConfig
+from taps.core.target import Target, resolve_device
+from taps.core.testing import bench_model
 
 
 def add_tree_device_args(ap: argparse.ArgumentParser) -> None:

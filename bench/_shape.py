@@ -20,7 +20,7 @@ def add_shape_args(ap: argparse.ArgumentParser, batch: int, steps: int) -> None:
 
 def random_target(args: argparse.Namespace):
     """A random LlamaForCausalLM of the options' shape; also applies --threads."""
-    from taps.testing import tiny_model
+    from taps.core.testing import tiny_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,8 +23,8 @@ import statistics
 
 import torch
 
-from taps.config import DecodeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig
+from taps.core.decode import generate
 from taps.drafter.average import average_heads
 from taps.drafter.fit import fit_linear_head, greedy_sequences
 from taps.propose.factory import build_proposer

@@ -31,14 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taps.config import TreeConfig
+from taps.core.config import TreeConfig
 from taps.data.datastore import build_datastore
-from taps.decode import chat_ids
+from taps.core.decode import chat_ids
 from taps.eval.benchmarks import load_benchmark
-from taps.jsonl import read_json_lines, read_jsonl
-from taps.propose.datastore import MANIFEST, Datastore
+from taps.core.jsonl import read_json_lines, read_jsonl
+from taps.propose.rest import MANIFEST, Datastore
 from taps.propose.lookup import LookupProposer, LookupSpec
-from taps.verify import Acceptance
+from taps.core.verify import Acceptance
 
 COSTS_MS = {1: 57.6, 16: 70.8, 32: 83.8, 64: 102.8}  # issue 19: SmolLM2-135M, bf16, one thread
 
@@ -133,7 +133,7 @@ def main() -> None:
           f"{store.depth}; loaded in {time.perf_counter() - t0:.2f} s")
     from transformers import AutoTokenizer
 
-    from taps.target_source import resolve_target
+    from taps.core.targets import resolve_target
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
 
     tree, small = (TreeConfig(*map(int, t.split(","))) for t in (args.tree, args.small_tree))

@@ -18,12 +18,12 @@ import statistics
 
 import torch
 
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import init_head
-from taps.propose.base import StepInfo
+from taps.core.proposer import StepInfo
 from taps.propose.single import SingleProposer
-from taps.tree import DraftTree
+from taps.core.tree import DraftTree
 
 from _random_target import add_tree_device_args, random_target  # beside this script
 

@@ -56,15 +56,15 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from taps.config import AUTO_TREE_CAPS, FIXED_TREE, DecodeConfig, SamplingConfig, SpeculationConfig, TreeConfig
-from taps.decode import chat_ids, generate
+from taps.core.config import AUTO_TREE_CAPS, FIXED_TREE, DecodeConfig, SamplingConfig, SpeculationConfig, TreeConfig
+from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head
 from taps.eval.benchmarks import load_benchmark
-from taps.identity import MismatchError, check_same
-from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
-from taps.profile import tree_policy
+from taps.core.identity import MismatchError, check_same
+from taps.core.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
+from taps.drafter.profile import tree_policy
 from taps.propose.factory import LookupSpec, build_proposer, load_datastore
-from taps.target import Target
+from taps.core.target import Target
 
 from _long_prompts import WORKLOADS, load_long  # bench/: the script's own folder is on sys.path
 

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from taps.drafter.export import GGUF_NAME, export_head
 from taps.eval.benchmarks import load_benchmark
-from taps.jsonl import append_jsonl, read_jsonl
-from taps.target_source import find_gguf, resolve_target
+from taps.core.jsonl import append_jsonl, read_jsonl
+from taps.core.targets import find_gguf, resolve_target
 
 SERVER = "llama-server"
 

@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from taps.cli_args import add_tree_arguments, speculation_from
-from taps.jsonl import read_json_lines, write_json_atomic
+from taps.cli.args import add_tree_arguments, speculation_from
+from taps.core.jsonl import read_json_lines, write_json_atomic
 
 TASKS = {
     "translate": "Translate the following text into French. Reply with the translation only.\n\n{q}",

@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from taps.cli_args import add_tree_arguments, speculation_from
+from taps.cli.args import add_tree_arguments, speculation_from
 from taps.eval.benchmarks import load_benchmark
 
 

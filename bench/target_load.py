@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from taps.target import Target
-from taps.target_source import find_gguf, load_gguf, resolve_target
+from taps.core.target import Target
+from taps.core.targets import find_gguf, load_gguf, resolve_target
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import time
 import torch
 
 from taps.drafter.checkpoint import init_head
-from taps.target import Target
+from taps.core.target import Target
 from taps.train.losses import Eagle2Config, HassConfig, TrainBatch, eagle2_loss, hass_loss
 
 from _shape import add_shape_args, random_target  # beside this script

@@ -2,9 +2,9 @@
 
 Not a test. For each committed context and tree size it prints the median ms of
   dense   the library's SDPA attention with the dense additive mask [1, 1, N, prefix + N] (what a
-          verify forward ran before taps.attention: with a mask the grouped keys are copied out
+          verify forward ran before taps.core.attention: with a mask the grouped keys are copied out
           to every query head and the masked flash kernel runs)
-  tree    taps.attention.tree_attention (the prefix unmasked, the N x N ancestor mask on the tree
+  tree    taps.core.attention.tree_attention (the prefix unmasked, the N x N ancestor mask on the tree
           block, no key copies)
 and checks that both give the same output. The shape defaults to SmolLM2-135M's (9 query heads over
 3 key heads of 64 dims); the tree is a chain (its shape barely changes the cost).
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from taps.attention import ALL_ATTENTION_FUNCTIONS, TreeBlock, tree_attention
+from taps.core.attention import ALL_ATTENTION_FUNCTIONS, TreeBlock, tree_attention
 
 
 def median_ms(fn, repeats: int) -> float:

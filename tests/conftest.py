@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from taps.drafter.checkpoint import init_head
-from taps.target import Target
-from taps.testing import ARCHITECTURES, tiny_model, tiny_tokenizer, write_tiny_target
+from taps.core.target import Target
+from taps.core.testing import ARCHITECTURES, tiny_model, tiny_tokenizer, write_tiny_target
 
 torch.set_num_threads(1)  # the machines have 2 cores; keep results deterministic and leave one free
-# --dtype auto on a CPU times float32 against bf16 (taps.machine); pinned here so that no test's
+# --dtype auto on a CPU times float32 against bf16 (taps.core.machine); pinned here so that no test's
 # outcome depends on a timing (an environment variable, so --jobs worker processes see it too)
 os.environ["TAPS_CPU_DTYPE"] = "float32"
 

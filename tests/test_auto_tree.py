@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, prompts
-from taps.config import DecodeConfig, SpeculationConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, SpeculationConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.auto_tree import AutoTree, Calibration, StepCosts
 from taps.drafter.fit import fit_linear_head, greedy_sequences
-from taps.propose.base import StepInfo
+from taps.core.proposer import StepInfo
 from taps.propose.factory import build_proposer
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 FLAT = StepCosts(verify_ms={1: 10.0, 128: 10.0}, level_ms={1: 1.0, 16: 1.0})  # a GPU-like machine
 STEEP = StepCosts(verify_ms={1: 10.0, 2: 20.0, 128: 1280.0}, level_ms={1: 1.0, 16: 1.0})  # every token costs a forward
@@ -95,7 +95,7 @@ def test_compositions_take_one_policy_per_head():
 
 
 def test_cli_tree_auto(target_dir, tmp_path, monkeypatch, capsys):
-    from taps.cli import main
+    from taps.cli.main import main
 
     monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
     head = tmp_path / "head"
@@ -151,7 +151,7 @@ def test_noisy_costs_are_made_monotone():
 
 def _chain(tokens, probs, source):
     """A one-path tree under root 0 whose nodes have these confidences."""
-    from taps.tree import DraftTree
+    from taps.core.tree import DraftTree
 
     n = len(tokens)
     return DraftTree.drafted(tokens=torch.tensor([0] + tokens), parents=torch.tensor([-1] + list(range(n))),
@@ -160,7 +160,7 @@ def _chain(tokens, probs, source):
 
 def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay():
     from taps.drafter.auto_tree import merge_budget_by_cost
-    from taps.tree import merge_budget
+    from taps.core.tree import merge_budget
 
     head = _chain([5, 6, 7], [0.9, 0.6, 0.2], source=0)  # sized by the head's own policy: always kept
     lookup = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], source=1)  # shares node 5 with the head

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from taps.drafter.average import (AverageError, average_checkpoints, average_heads, check_weights, lambda_sweep,
                                   sweep_checkpoints)
 from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, read_config, save_head
-from taps.propose import commands
-from taps.testing import tiny_config
+from taps.cli import propose as commands
+from taps.core.testing import tiny_config
 
 
 def heads(target, *seeds):

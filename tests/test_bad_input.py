@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from taps.cli import main
-from taps.testing import write_tiny_target
+from taps.cli.main import main
+from taps.core.testing import write_tiny_target
 
 RECORDS = [{"id": f"r{i}", "source": "chat" if i % 2 else "math",
             "conversations": [{"role": "user", "content": f"How many clips, {i}?"},
@@ -464,12 +464,12 @@ def test_debug_shows_the_traceback(ws, capsys, monkeypatch):
 
 
 def test_a_real_bug_keeps_its_traceback(ws, capsys, monkeypatch):
-    import taps.cli
+    import taps.cli.main
 
     def broken(args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(taps.cli, "_drafter_init", broken)
+    monkeypatch.setattr(taps.cli.main, "_drafter_init", broken)
     with pytest.raises(KeyError):
         main(["drafter", "init", "--target", str(ws / "tgt"), "--out", str(ws / "never")])
 
@@ -518,7 +518,7 @@ def test_resuming_directories_written_before_identities_were_recorded(ws, tmp_pa
 
 def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(ws, tmp_path, capsys):
     out = tmp_path / "f"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from taps.outlock import acquire; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from taps.core.outlock import acquire; "
                                f"acquire({str(out)!r}, 'features'); print('held', flush=True); time.sleep(120)"],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
@@ -538,7 +538,7 @@ def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(ws, tmp_path
 
 
 def test_two_writers_in_one_process_are_refused_too(tmp_path):
-    from taps.outlock import OutputBusyError, output_lock
+    from taps.core.outlock import OutputBusyError, output_lock
 
     with output_lock(tmp_path, "results"):
         with pytest.raises(OutputBusyError, match="another taps process"):
@@ -606,9 +606,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_workers_die_with_their_parent():
-    """`eval --jobs` workers (taps.workers) of a parent killed with SIGKILL stop too: none goes on
+    """`eval --jobs` workers (taps.core.workers) of a parent killed with SIGKILL stop too: none goes on
     writing into results whose lock died with the parent."""
-    parent = subprocess.Popen([sys.executable, "-c", "import time; from taps import workers; "
+    parent = subprocess.Popen([sys.executable, "-c", "import time; from taps.core import workers; "
                                "procs = workers.start(time.sleep, [(300,), (300,)]); "
                                "print(*[p.pid for p in procs], flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True,

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from conftest import hf_greedy, prompts
-from taps.config import DecodeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig
+from taps.core.decode import generate
 from taps.propose.bandit import BanditRouter, BanditState, expected_tokens
 from taps.propose.factory import HeadPool, build_proposer
 from taps.propose.single import SingleProposer

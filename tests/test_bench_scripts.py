@@ -24,6 +24,6 @@ def test_tree_options_are_the_commands_own():
     for script in SCRIPTS:
         text = script.read_text()
         assert '"--total-tokens"' not in text and '"--depth"' not in text, \
-            f"{script.name} declares tree options of its own; use taps.cli_args.add_tree_arguments"
+            f"{script.name} declares tree options of its own; use taps.cli.args.add_tree_arguments"
         assert "TreeConfig(60, 5, 10)" not in text and "TreeConfig(96, 8, 8)" not in text, \
             f"{script.name} re-declares a tree the package defines (config.FIXED_TREE, config.AUTO_TREE_CAPS)"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from taps.cli import main
+from taps.cli.main import main
 
 
 def run_json(capsys, *argv):
@@ -51,7 +51,7 @@ def test_errors_are_reported_not_raised(capsys, tmp_path, target_dir):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "taps.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "taps.cli.main", "--help"], capture_output=True, text=True, check=True)
     assert "generate" in out.stdout and "drafter" in out.stdout
 
 
@@ -109,7 +109,7 @@ def test_generate_strategy_errors(capsys, tmp_path, target_dir):
 def test_help_shows_real_defaults_only(capsys, argv):
     # argparse's stock formatter would print "(default: None)" after help that already says what an
     # unset option means, e.g. "(default: $TAPS_DATA_DIR)"; ours prints only defaults that exist.
-    from taps.cli import build_parser
+    from taps.cli.main import build_parser
 
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args([*argv, "--help"])

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, prompts
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import init_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
-from taps.propose.base import Proposer, StepInfo
+from taps.core.proposer import Proposer, StepInfo
 from taps.propose.factory import build_proposer
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
-from taps.target import Target
-from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
+from taps.core.target import Target
+from taps.core.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
 
 TREE = TreeConfig(60, 5, 10)
 NEW = 24

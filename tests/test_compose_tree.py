@@ -1,4 +1,4 @@
-"""Merging several drafters' trees (taps.tree.merge_disjoint | merge_trie | merge_budget), checked
+"""Merging several drafters' trees (taps.core.tree.merge_disjoint | merge_trie | merge_budget), checked
 exactly on hand-built and random trees, and sampling verification of merged trees with duplicate
 tokens checked statistically against a Markov target (as in test_verify.py)."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from taps.config import SamplingConfig
-from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie, rerank
-from taps.verify import target_probs, verify_greedy, verify_sampling
+from taps.core.config import SamplingConfig
+from taps.core.tree import DraftTree, merge_budget, merge_disjoint, merge_trie, rerank
+from taps.core.verify import target_probs, verify_greedy, verify_sampling
 
 V = 12
 

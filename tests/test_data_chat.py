@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from taps.data.chat import ChatTemplateError, encode_conversation, special_ids
-from taps.testing import CHATML_TEMPLATE, tiny_tokenizer
+from taps.core.testing import CHATML_TEMPLATE, tiny_tokenizer
 
 torch.set_num_threads(1)
 

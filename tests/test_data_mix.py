@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from taps.data import commands
+from taps.cli import data as commands
 from taps.data.mix import mix_sources, parse_count
-from taps.jsonl import write_jsonl
+from taps.core.jsonl import write_jsonl
 from taps.data.sources import SourceSpecError, read_messages
 
 

@@ -1,4 +1,4 @@
-"""The lookup drafter's datastore (REST retrieval, propose/datastore.py; built by data/datastore.py):
+"""The lookup drafter's datastore (REST retrieval, propose/rest.py; built by data/datastore.py):
 the index and its most-frequent-continuation tries, the lookup tree that merges prompt lookup with
 the datastore, the build / load round trip through `taps lookup build`, and losslessness alone and
 inside routed and merged compositions (greedy identity in float32, sampling)."""
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, llama_with_head
-from taps.cli import main
-from taps.config import DecodeConfig, TreeConfig
+from taps.cli.main import main
+from taps.core.config import DecodeConfig, TreeConfig
 from taps.data.datastore import assistant_segments, build_datastore
-from taps.decode import chat_ids, generate
-from taps.propose.datastore import SEP, Datastore, build_index, trie_nodes
+from taps.core.decode import chat_ids, generate
+from taps.propose.rest import SEP, Datastore, build_index, trie_nodes
 from taps.propose.factory import HeadPool, LookupSpec, build_proposer, load_member
 from taps.propose.lookup import LookupProposer
 from taps.propose.spec import parse_spec, parse_variant
-from taps.target import Target
-from taps.testing import tiny_model, tiny_tokenizer
+from taps.core.target import Target
+from taps.core.testing import tiny_model, tiny_tokenizer
 
 TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
 
@@ -233,7 +233,7 @@ def test_the_grammar_names_lookup_with_a_datastore(tmp_path, target_dir):
 def test_rebuilding_a_datastore_takes_force(tmp_path, target_dir):
     """An existing datastore is a finished result: `taps lookup build` over it is refused, naming
     --out and --force, and leaves it as it was; with --force it is rebuilt."""
-    from taps.outputs import OutputError
+    from taps.core.outputs import OutputError
 
     out = tmp_path / "ds"
     build_datastore([write_records(tmp_path / "a.jsonl")], str(target_dir), out)

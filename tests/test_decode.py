@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, prompts
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-from taps.decode import ChatSession, ContextWindowError, Decoder, generate
+from taps.core.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.core.decode import ChatSession, ContextWindowError, Decoder, generate
 from taps.drafter.checkpoint import init_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
-from taps.propose.base import Proposer, StepInfo
+from taps.core.proposer import Proposer, StepInfo
 from taps.propose.single import SingleProposer
-from taps.target import Target
-from taps.testing import tiny_model
-from taps.tree import DraftTree
+from taps.core.target import Target
+from taps.core.testing import tiny_model
+from taps.core.tree import DraftTree
 
 SHAPES = {
     "default": TreeConfig(60, 5, 10),

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
-from taps.cli import main
-from taps.config import DecodeConfig, TreeConfig
+from taps.cli.main import main
+from taps.core.config import DecodeConfig, TreeConfig
 from taps.data.features import FeatureSet, FeatureShards
-from taps.decode import generate
+from taps.core.decode import generate
 from taps.drafter.checkpoint import DrafterInfo, init_head, load_head, read_config, save_head
 from taps.propose.single import SingleProposer
 from taps.train.draft_vocab import choose_draft_vocab, loss_token_counts, select_draft_vocab

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
-from taps.target import Target
+from taps.core.target import Target
 from taps.eval.drafter_table import TableSettings, acceptance_table, to_markdown
 
 

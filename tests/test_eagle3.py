@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from conftest import hf_greedy, prompts
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.data.features import FeaturesError, FeatureSettings, extract_features
 from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head
 from taps.drafter.context import consume
 from taps.drafter.head3 import Eagle3Head, default_aux_layers
 from taps.propose.single import SingleProposer
-from taps.target import Target
-from taps.testing import tiny_model
+from taps.core.target import Target
+from taps.core.testing import tiny_model
 from taps.train.losses import Eagle3Config, aligned_outputs, eagle3_loss, head_pairs, pad_batch
-from taps.tree import additive_mask
+from taps.core.tree import additive_mask
 
 LAYERS = 8  # default aux layers of an 8-layer target: outputs of layers 1, 3 and 4
 
@@ -290,7 +290,7 @@ def test_eagle2_and_eagle3_heads_compose_losslessly(tmp_path, spec):
 def test_chat_turn_after_a_head_attaches_re_encodes(tokenizer):
     """A session's first turn decoded before an EAGLE-3 head attached keeps features without its
     layers: the next turn re-encodes instead of reusing them, and stays lossless."""
-    from taps.decode import ChatSession, Decoder
+    from taps.core.decode import ChatSession, Decoder
 
     model = tiny_model("qwen2", seed=0, layers=LAYERS)
     target = Target(model, tokenizer)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import chat_ids, generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, read_config, weights_digest
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 DEFAULT = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 NAMES = sorted([f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")]

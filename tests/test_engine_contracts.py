@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
 from taps.drafter.export import export_head
 from taps.drafter.layouts import EAGLE3_KEYS, LAYOUTS, TOKEN_MAP_NAME, ExportError
-from taps.testing import write_tiny_target
+from taps.core.testing import write_tiny_target
 from transformers import AutoConfig
 
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
@@ -351,7 +351,7 @@ def test_llama_cpp_converts_an_eagle3_export(tmp_path):
     GGUF is architecture eagle3 with the captured layers counted llama.cpp's way, the target's
     hidden size, the reduced LM head and d2t as int64."""
     from gguf import GGUFReader
-    from taps.target_source import resolve_target
+    from taps.core.targets import resolve_target
     hf = resolve_target("smollm2-135m-instruct")
     target = json.loads((hf / "config.json").read_text())
     head = eagle3_head(tmp_path / "head", AutoConfig.from_pretrained(hf), aux=[1, 14, 26])

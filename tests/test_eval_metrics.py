@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cached_model, prompts
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import init_head
 from taps.eval import records as rec_mod
 from taps.eval.metrics import (acceptance_by_depth, acceptance_length, accepted_length_histogram,
@@ -19,10 +19,10 @@ from taps.eval.metrics import (acceptance_by_depth, acceptance_length, accepted_
                                summarize, tokens_per_second, turn_routing_shares)
 from taps.eval.records import (ENTROPY_BIN_EDGES, ENTROPY_BINS, RecordFormatError, TurnIdentity, check_record,
                                turn_record)
-from taps.propose.base import StepInfo
+from taps.core.proposer import StepInfo
 from taps.propose.routed import RoutedProposer
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 
 def make(accepted=(), *, variant="v", bench="gsm8k", qid="0", turn=0, temperature=0.0, wall_s=1.0,

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from taps.config import SpeculationConfig, TreeConfig
+from taps.core.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import write_untrained
 from taps.eval import records as rec_mod
 from taps.eval.benchmarks import Question
 from taps.eval.records import ENTROPY_BINS, check_record
-from taps.eval.commands import register_report as register
+from taps.cli.eval import register_report as register
 from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table,
                               table1, table2, terminal_summary, write_report)
 from taps.eval.runner import EvalSettings, run_eval
 from taps.propose.spec import parse_variant
-from taps.target import Target
-from taps.testing import write_tiny_target
+from taps.core.target import Target
+from taps.core.testing import write_tiny_target
 
 TABLES = ("table1", "table2", "entropy", "depth", "speedup")
 FIGURES = ("fig_lambda_sweep.png", "fig_entropy.png", "fig_depth.png", "fig_speedup.png")

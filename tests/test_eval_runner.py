@@ -10,15 +10,15 @@ import sys
 
 import pytest
 
-from taps.config import SpeculationConfig, TreeConfig
+from taps.core.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import write_untrained
 from taps.eval import runner
 from taps.eval.benchmarks import Question
 from taps.eval.records import read_records, record_key
 from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval
 from taps.propose.spec import parse_variant
-from taps.target import Target, TargetRef
-from taps.testing import write_tiny_target
+from taps.core.target import Target, TargetRef
+from taps.core.testing import write_tiny_target
 
 QUESTIONS = [
     Question("mt_bench", "81", "writing", ("Write a poem about the sea.", "Now make it shorter.")),
@@ -193,11 +193,11 @@ def test_two_processes_under_accelerate_match_one(tmp_path, setup):
     for spec in specs[:4]:
         args += ["--variant", spec]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    one = subprocess.run([sys.executable, "-m", "taps.cli", *args, "--out", str(tmp_path / "one")],
+    one = subprocess.run([sys.executable, "-m", "taps.cli.main", *args, "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "taps.cli"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "taps.cli.main"]
     two = subprocess.run([*launch, *args, "--out", str(tmp_path / "two"), "--device", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -208,7 +208,7 @@ def test_two_processes_under_accelerate_match_one(tmp_path, setup):
 
 def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, capsys):
     """taps eval --jobs 2: two spawned workers, one merge; the same records as one process."""
-    from taps.cli import main
+    from taps.cli.main import main
     from taps.eval.runner import run_eval_jobs
 
     target_dir, variants, specs = setup

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from taps.cli import main
-from taps.config import SpeculationConfig, TreeConfig
+from taps.cli.main import main
+from taps.core.config import SpeculationConfig, TreeConfig
 from taps.eval.metrics import load_results
 from taps.study import (PAPER_VARIANTS, StudyConfigError, expand_variants, load_study, plan, run_study,
                              study_from_dict)
@@ -95,7 +95,7 @@ def data_dir(tmp_path_factory):
 
 
 def test_toy_study_runs_every_stage(tmp_path, data_dir):
-    from taps.testing import write_tiny_target
+    from taps.core.testing import write_tiny_target
 
     out = tmp_path / "study"
     config = {
@@ -130,7 +130,7 @@ def test_toy_study_runs_every_stage(tmp_path, data_dir):
 def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.drafter.checkpoint import write_untrained
     from taps.study import DemoSettings, demo_study
-    from taps.testing import write_tiny_target
+    from taps.core.testing import write_tiny_target
 
     target = write_tiny_target(tmp_path / "m" / "target")
     with pytest.raises(FileNotFoundError, match="train them with `taps reproduce`"):

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import cached_model
-from taps import kv
-from taps.config import TreeConfig
+from taps.core import kv
+from taps.core.config import TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.drafter.context import HeadContext, causal_block_mask, consume
 from taps.drafter.expand import expand_tree
-from taps.target import Target
-from taps.trace import entropy_of
+from taps.core.target import Target
+from taps.core.trace import entropy_of
 
 PROMPT = [5, 9, 13, 2, 77, 31, 8, 100]
 

@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import cached_model, hf_greedy
-from taps.cli import main
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.cli.main import main
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import CheckpointError, DrafterInfo, init_head, load_head, save_head, weights_digest
 from taps.drafter.export import export_head
 from taps.drafter.fit import fit_linear_head, greedy_sequences
 from taps.drafter.layouts import EAGLE_KEYS, EXPORT_RECORD, TOKEN_MAP_NAME, ExportError
-from taps.outputs import OutputError
+from taps.core.outputs import OutputError
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 NEW = 32
 TREE = TreeConfig(60, 5, 10)
@@ -225,7 +225,7 @@ def test_unsorted_token_map_is_the_same_vocabulary(tmp_path, setting):
 def eagle3_setting():
     """An 8-layer tiny Llama (EAGLE-3 reads layers 1, 3 and 4 of it by default) and an EAGLE-3 head
     drafting over every third token."""
-    from taps.testing import tiny_model
+    from taps.core.testing import tiny_model
     model = tiny_model("llama", seed=0, layers=8)
     model.requires_grad_(False)
     target = Target(model)
@@ -323,7 +323,7 @@ def test_every_shipped_head_exports_and_round_trips(tmp_path):
     vocabulary, so its steps are the original's; vLLM's drafts over the whole vocabulary)."""
     from pathlib import Path
 
-    from taps.decode import chat_ids
+    from taps.core.decode import chat_ids
     shipped = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct" / "drafters"
     target = Target.load("smollm2-135m-instruct", device="cpu", dtype="float32")
     cfg = DecodeConfig(max_new_tokens=24, stop_token_ids=target.stop_token_ids())

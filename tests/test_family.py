@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from taps.target import Target
+from taps.core.target import Target
 
 
 def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
@@ -81,7 +81,7 @@ def test_features_use_every_core_when_heads_train_in_workers(tmp_path, monkeypat
         raise Seen(torch.get_num_threads())
 
     monkeypatch.setattr(drafter_recipe, "_features", features)
-    monkeypatch.setattr("taps.target.Target.load", lambda *a, **k: None)
+    monkeypatch.setattr("taps.core.target.Target.load", lambda *a, **k: None)
     before = torch.get_num_threads()
     try:
         seen = {}

@@ -8,8 +8,8 @@ import torch
 from taps.data import features as features_mod
 from taps.data.chat import encode_conversation
 from taps.data.features import FeatureSet, FeatureSettings, FeatureShards, FeaturesError, extract_features
-from taps.target import Target
-from taps.testing import SAMPLE_CORPUS, write_tiny_target
+from taps.core.target import Target
+from taps.core.testing import SAMPLE_CORPUS, write_tiny_target
 
 
 def make_features(tmp_path_factory, target, name: str, n: int, records_per_shard: int):
@@ -126,9 +126,9 @@ def test_feature_set_concatenates_prefixes(tmp_path, target):
 
 def test_records_keep_unicode_line_separators(tmp_path):
     """A data file written by taps data mix holds U+2028 / U+0085 raw inside strings (json.dumps with
-    ensure_ascii=False); the reader splits lines at newlines only, like every reader of taps.jsonl."""
+    ensure_ascii=False); the reader splits lines at newlines only, like every reader of taps.core.jsonl."""
     from taps.data.features import read_conversations
-    from taps.jsonl import write_jsonl
+    from taps.core.jsonl import write_jsonl
 
     record = {"id": "u", "source": "s", "conversations": [{"role": "user", "content": "a\u2028b\u0085c"},
                                                           {"role": "assistant", "content": "d"}]}

@@ -1,17 +1,9 @@
 """The package reads top-down: no module imports one of a higher layer, and no import cycle.
 
-Layers, lowest first (docs/architecture.md):
-  core     config, jsonl, outlock, outputs, identity, stopwatch, workers, tree, verify, kv, attention, machine,
-           target_source, target, trace, decode, testing, and propose/base.py (the Proposer protocol: all that decode.py
-           knows of drafting)
-  drafter  drafter/*: the EAGLE head, its tree expansion, checkpoints; profile.py (auto-tree costs)
-  propose  propose/*: the composition grammar (spec), single, routed, merged, lookup proposers, the factory
-  data     data/*: readers, mixtures, chat encoding, regeneration, features
-  train    train/*: losses, trainer, head families
-  eval     eval/*: benchmarks, runner, records, metrics, report, drafter table
-  study    study.py: the pipeline (target, drafters, eval, report); the only module that knows them all;
-           beside it serve/*: the HTTP server (taps serve)
-  cli      cli.py, cli_args.py, __main__.py and every */commands.py
+The folders are the layers. A module's layer is the first folder under `src/taps/` it sits in (a
+top-level module is its own layer: `study.py`); the order of the layers, lowest first, is the
+table "Layers, lowest first" of docs/architecture.md, which this file reads, so the two can not
+drift apart. `__main__.py` belongs to the CLI.
 
 Every `import` and `from ... import` counts, at module top or inside a function. Subpackage
 `__init__.py` files import nothing from taps, so that importing one module never loads its siblings.
@@ -20,17 +12,30 @@ Every `import` and `from ... import` counts, at module top or inside a function.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "taps"
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
 
-LAYERS = ("core", "drafter", "propose", "data", "train", "eval", "study", "cli")
-CORE = {"taps.config", "taps.jsonl", "taps.outlock", "taps.outputs", "taps.identity", "taps.stopwatch", "taps.workers",
-        "taps.tree", "taps.verify", "taps.kv", "taps.attention", "taps.machine", "taps.target_source", "taps.target",
-        "taps.trace", "taps.decode", "taps.testing", "taps.propose.base"}
-CLI = {"taps.cli", "taps.cli_args", "taps.__main__"}
-SUBPACKAGE_LAYERS = {"drafter": "drafter", "propose": "propose", "data": "data", "train": "train", "eval": "eval"}
+
+def documented_layers() -> tuple[tuple[str, ...], ...]:
+    """The rows of architecture.md's layer table, lowest first: each row names its folders (or the
+    one top-level module) in back-quotes in its first cell, e.g. `core/` or `study.py`, `serve/`."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("## Layers, lowest first"):].split("\n## ")[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or cells[0] in ("layer", "---"):
+            continue
+        names = re.findall(r"`([\w.]+)/?`", cells[0])
+        rows.append(tuple(n.removesuffix(".py") for n in names))
+    return tuple(rows)
+
+
+LAYERS = documented_layers()
 
 
 def module_name(path: Path) -> str:
@@ -48,19 +53,15 @@ def is_package(name: str, mods: dict[str, Path]) -> bool:
     return mods[name].name == "__init__.py"
 
 
-def layer(name: str) -> str:
-    if name in CORE:
-        return "core"
-    if name in CLI or name.endswith(".commands"):
-        return "cli"
-    if name == "taps.study" or name.startswith("taps.serve."):  # the server sits beside the pipeline
-        return "study"
-    if name == "taps.profile":
-        return "drafter"
+def layer(name: str) -> int:
+    """The rank of the module's folder in LAYERS (lowest first)."""
     parts = name.split(".")
-    if len(parts) >= 3 and parts[1] in SUBPACKAGE_LAYERS:
-        return SUBPACKAGE_LAYERS[parts[1]]
-    raise AssertionError(f"{name} has no layer: place it in tests/test_import_graph.py and docs/architecture.md")
+    folder = "cli" if name == "taps.__main__" else parts[1]
+    for rank, names in enumerate(LAYERS):
+        if folder in names:
+            return rank
+    raise AssertionError(f"{name} sits in src/taps/{folder}, which is no layer: "
+                         f"add it to the table of docs/architecture.md")
 
 
 def imports(name: str, mods: dict[str, Path]) -> set[str]:
@@ -91,11 +92,16 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
-def test_every_module_has_a_layer():
+def test_every_folder_is_a_layer_and_every_layer_a_folder():
+    assert LAYERS[0] == ("core",) and LAYERS[-1] == ("cli",), LAYERS
+    folders = {p.name.removesuffix(".py") for p in PACKAGE.iterdir()
+               if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    documented = {n for names in LAYERS for n in names}
+    assert folders == documented, f"in src/taps but not in the table: {sorted(folders - documented)}; " \
+                                  f"in the table but not in src/taps: {sorted(documented - folders)}"
     for name in modules():
-        if name == "taps" or is_package(name, modules()):
-            continue
-        assert layer(name) in LAYERS
+        if name != "taps" and not is_package(name, modules()):
+            layer(name)
 
 
 def test_package_files_import_nothing_from_taps():
@@ -107,8 +113,8 @@ def test_package_files_import_nothing_from_taps():
 
 def test_no_import_goes_up_a_layer():
     mods = modules()
-    rank = {name: LAYERS.index(layer(name)) for name in mods if not is_package(name, mods)}
-    upward = sorted(f"{a} ({layer(a)}) -> {b} ({layer(b)})" for a, targets in graph().items() if a in rank
+    rank = {name: layer(name) for name in mods if not is_package(name, mods)}
+    upward = sorted(f"{a} ({LAYERS[rank[a]]}) -> {b} ({LAYERS[rank[b]]})" for a, targets in graph().items() if a in rank
                     for b in targets if b in rank and rank[b] > rank[a])
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
@@ -139,9 +145,10 @@ def test_no_import_cycle():
 def test_the_checks_see_a_violation(tmp_path):
     """The graph parser finds function-level and relative imports (a check that sees nothing passes)."""
     mods = modules()
-    assert "taps.study" in imports("taps.eval.commands", mods)
-    assert "taps.propose.base" in imports("taps.decode", mods)
+    assert "taps.study" in imports("taps.cli.eval", mods)
+    assert "taps.core.proposer" in imports("taps.core.decode", mods)
     fake = tmp_path / "fake.py"  # the package itself imports taps modules at module top only
-    fake.write_text("def f():\n    from taps.study import run_study\n    from ..tree import DraftTree\n")
-    assert {"taps.study", "taps.tree"} <= imports("taps.eval.fake", {**mods, "taps.eval.fake": fake})
-    assert LAYERS.index(layer("taps.cli")) > LAYERS.index(layer("taps.study")) > LAYERS.index(layer("taps.eval.runner"))
+    fake.write_text("def f():\n    from taps.study import run_study\n    from ..core.tree import DraftTree\n")
+    assert {"taps.study", "taps.core.tree"} <= imports("taps.eval.fake", {**mods, "taps.eval.fake": fake})
+    assert layer("taps.cli.main") > layer("taps.study") > layer("taps.eval.runner") > layer("taps.core.decode")
+    assert layer("taps.serve.app") == layer("taps.study") and layer("taps.__main__") == layer("taps.cli.main")

@@ -1,4 +1,4 @@
-"""taps.jsonl.read_json: the one reader of whole JSON documents (run.json, manifests, summaries,
+"""taps.core.jsonl.read_json: the one reader of whole JSON documents (run.json, manifests, summaries,
 tables, checkpoint state, cached profiles, configs): a bad file is one error naming the file,
 where it breaks and what was expected."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from taps.jsonl import JsonlFormatError, read_json
+from taps.core.jsonl import JsonlFormatError, read_json
 
 
 class Mine(ValueError):

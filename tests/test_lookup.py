@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import cached_model, hf_greedy, llama_with_head
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.core.decode import generate
 from taps.propose.factory import LookupSpec, build_proposer
 from taps.propose.lookup import LookupProposer
-from taps.target import Target
-from taps.testing import tiny_model
-from taps.verify import Acceptance
+from taps.core.target import Target
+from taps.core.testing import tiny_model
+from taps.core.verify import Acceptance
 
 TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
 
@@ -119,7 +119,7 @@ def test_sampling_with_lookup_keeps_the_target_distribution():
 def test_cli_and_study_name_lookup_as_a_member(tmp_path, target_dir, capsys):
     import json
 
-    from taps.cli import main
+    from taps.cli.main import main
     from taps.propose.factory import HeadPool
     from taps.propose.spec import parse_variant
 

@@ -7,19 +7,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from taps.config import TreeConfig
+from taps.core.config import TreeConfig
 from taps.drafter.checkpoint import init_head
 from taps.drafter.context import causal_block_mask, consume
 from taps.drafter.expand import expand_tree
-from taps.target import Target
-from taps.testing import tiny_model
+from taps.core.target import Target
+from taps.core.testing import tiny_model
 from taps.train import losses
 from taps.train.losses import (
     Eagle2Config, HassConfig, Teacher, TrainBatch, aligned_outputs, alignment_mask, eagle2_loss, hass_loss,
     head_pairs, pad_batch, step_terms,
 )
 from taps.train.trainer import has_compiler
-from taps.tree import additive_mask
+from taps.core.tree import additive_mask
 
 NO_NOISE = dict(noise_width=0.0)
 

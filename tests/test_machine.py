@@ -1,4 +1,4 @@
-"""taps.machine: `--dtype auto` on a CPU is the faster dtype of a measured verify step, cached
+"""taps.core.machine: `--dtype auto` on a CPU is the faster dtype of a measured verify step, cached
 per machine, target and threads, pinned by TAPS_CPU_DTYPE; a bad pin is refused by name."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-import taps.machine as machine
-from taps.machine import choose, cpu_dtype
+import taps.core.machine as machine
+from taps.core.machine import choose, cpu_dtype
 
 
 def test_the_faster_dtype_wins_and_a_tie_keeps_float32():
@@ -20,7 +20,7 @@ def test_the_faster_dtype_wins_and_a_tie_keeps_float32():
 
 def test_choice_is_measured_once_then_read_from_the_cache(target_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("TAPS_CPU_DTYPE")
-    with caplog.at_level("WARNING", logger="taps.machine"):
+    with caplog.at_level("WARNING", logger="taps.core.machine"):
         first = cpu_dtype(target_dir, "tiny", root=tmp_path)
     [written] = list(tmp_path.glob("dtype-tiny-*.json"))
     record = json.loads(written.read_text())
@@ -37,7 +37,7 @@ def test_choice_is_measured_once_then_read_from_the_cache(target_dir, tmp_path, 
 
 
 def test_the_step_timed_is_a_tree_forward_of_the_unchanged_model():
-    from taps.testing import tiny_model
+    from taps.core.testing import tiny_model
 
     model = tiny_model("llama", seed=2)
     ids = torch.tensor([[1, 2, 3, 4, 5]])

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from taps.cli import main
-from taps.config import SpeculationConfig, TreeConfig
+from taps.cli.main import main
+from taps.core.config import SpeculationConfig, TreeConfig
 from taps.drafter.checkpoint import init_head
-from taps.profile import profile, time_target
+from taps.drafter.profile import profile, time_target
 
 
 def test_target_costs_cover_every_size_and_leave_the_cache_empty(target):
@@ -46,7 +46,7 @@ def test_cli_profile_of_a_drafter_is_the_one_tree_auto_reads(target, target_dir,
     """`taps profile --drafter D --measure` writes the profile --tree auto uses for every head of
     D's shape: before, the CLI keyed it by D's weights and --tree auto never saw it."""
     from taps.drafter.checkpoint import DrafterInfo, save_head
-    from taps.profile import head_shape_key, profile_path, tree_policy
+    from taps.drafter.profile import head_shape_key, profile_path, tree_policy
 
     monkeypatch.setenv("TAPS_CACHE_DIR", str(tmp_path))
     head = init_head(target.config, seed=0)
@@ -79,8 +79,8 @@ def test_profile_times_contexts_and_splits_a_verify_step(target, tmp_path):
 def test_split_hooks_see_every_layer_and_leave_nothing_behind(target):
     import torch
 
-    from taps import attention, kv
-    from taps.tree import DraftTree
+    from taps.core import attention, kv
+    from taps.core.tree import DraftTree
 
     target.reset()
     target.prefill(torch.tensor([1, 2, 3]))
@@ -96,7 +96,7 @@ def test_split_hooks_see_every_layer_and_leave_nothing_behind(target):
 
 
 def test_speed_change_is_reported(target, tmp_path, caplog):
-    from taps.profile import speed_changed
+    from taps.drafter.profile import speed_changed
 
     assert speed_changed(now_ms=140.0, profiled_ms=100.0) and speed_changed(now_ms=60.0, profiled_ms=100.0)
     assert not speed_changed(now_ms=125.0, profiled_ms=100.0) and not speed_changed(now_ms=75.0, profiled_ms=100.0)
@@ -104,7 +104,7 @@ def test_speed_change_is_reported(target, tmp_path, caplog):
     saved = json.loads(open(first["path"]).read())
     saved["target_forward_ms"]["1"] = 1e6  # a machine a million times slower measured it
     open(first["path"], "w").write(json.dumps(saved))
-    with caplog.at_level("WARNING", logger="taps.profile"):
+    with caplog.at_level("WARNING", logger="taps.drafter.profile"):
         again = profile(target, None, None, repeats=1, prefix=8, root=tmp_path)
     assert again["speed_check"]["changed"] and again["measured_at"] == first["measured_at"]
     assert any("taps profile --measure" in r.getMessage() for r in caplog.records)

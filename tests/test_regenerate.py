@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from taps.config import DecodeConfig
+from taps.core.config import DecodeConfig
 from taps.data.regenerate import RegenerateSettings, regenerate
-from taps.decode import ChatSession
+from taps.core.decode import ChatSession
 from taps.drafter.checkpoint import init_head
 from taps.propose.single import SingleProposer
 from test_features import write_records

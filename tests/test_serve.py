@@ -23,15 +23,15 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from taps.cli import main  # noqa: E402
-from taps.config import SpeculationConfig, TreeConfig  # noqa: E402
+from taps.cli.main import main  # noqa: E402
+from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import DrafterInfo, save_head  # noqa: E402
 from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import parse  # noqa: E402
-from taps.target import Target  # noqa: E402
-from taps.testing import write_tiny_target  # noqa: E402
+from taps.core.target import Target  # noqa: E402
+from taps.core.testing import write_tiny_target  # noqa: E402
 
 MODEL = "tiny"
 TREE = ["--total-tokens", "16", "--depth", "4", "--top-k", "4"]
@@ -347,7 +347,7 @@ def test_full_queue_answers_429_and_a_client_gone_frees_the_decoder(long_target)
 
 
 def test_taps_serve_command_binds_localhost_and_stops_on_sigterm(target_dir, tmp_path):
-    from taps.cli import build_parser
+    from taps.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--target", "x"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_queue == 16

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from taps.cli import main  # noqa: E402
+from taps.cli.main import main  # noqa: E402
 from taps.data.regenerate import Endpoint, EndpointError, RegenerateSettings, regenerate_endpoint  # noqa: E402
 from taps.serve import app as serve_app  # noqa: E402
 from taps.serve import auth  # noqa: E402

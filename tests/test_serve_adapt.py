@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from taps.cli import main  # noqa: E402
-from taps.config import SpeculationConfig, TreeConfig  # noqa: E402
+from taps.cli.main import main  # noqa: E402
+from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import WEIGHTS_NAME, write_untrained  # noqa: E402
-from taps.identity import file_sha256  # noqa: E402
+from taps.core.identity import file_sha256  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.learn import Learner  # noqa: E402
@@ -121,7 +121,7 @@ def test_a_head_with_a_draft_vocabulary_keeps_it(logged, target_dir, tmp_path, c
     import torch
 
     from taps.drafter.checkpoint import DrafterInfo, load_head, save_head
-    from taps.target import Target
+    from taps.core.target import Target
 
     target = Target.load(target_dir, device="cpu", dtype="float32")
     ids = torch.tensor(sorted({*range(0, target.vocab_size, 3), *target.stop_token_ids()}))
@@ -138,7 +138,7 @@ def test_a_head_with_a_draft_vocabulary_keeps_it(logged, target_dir, tmp_path, c
 def test_mix_trains_on_the_heads_original_features_too(logged, target_dir, tmp_path, capsys):
     from taps.data.features import FeatureSettings, extract_features
     from taps.serve.answer_log import log_files
-    from taps.target import Target
+    from taps.core.target import Target
 
     target = Target.load(target_dir, device="cpu", dtype="float32")
     original = tmp_path / "original"  # stands in for the head's own training features

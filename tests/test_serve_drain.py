@@ -29,8 +29,8 @@ from taps.data.regenerate import (Endpoint, EndpointError, RegenerateSettings, r
                                   regenerate_endpoint)
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
-from taps.target import Target  # noqa: E402
-from taps.testing import write_tiny_target  # noqa: E402
+from taps.core.target import Target  # noqa: E402
+from taps.core.testing import write_tiny_target  # noqa: E402
 from test_features import write_records  # noqa: E402
 from test_serve import MODEL, free_port, metrics, raw  # noqa: E402
 

@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from taps.config import SpeculationConfig, TreeConfig  # noqa: E402
+from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.data.datastore import build_datastore  # noqa: E402
 from taps.data.features import read_conversations  # noqa: E402
-from taps.propose.datastore import SEP, Datastore  # noqa: E402
+from taps.propose.rest import SEP, Datastore  # noqa: E402
 from taps.propose.lookup import LookupSpec  # noqa: E402
 from taps.propose.spec import LOOKUP  # noqa: E402
 from taps.serve.answer_log import AnswerLog, log_files, read_log  # noqa: E402

@@ -11,11 +11,11 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from taps.cli import main  # noqa: E402
+from taps.cli.main import main  # noqa: E402
 from taps.data.regenerate import Endpoint, RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
-from taps.target import Target  # noqa: E402
+from taps.core.target import Target  # noqa: E402
 from test_features import write_records  # noqa: E402
 from test_serve import MODEL  # noqa: E402
 

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from test_serve import fitted_heads, raw  # noqa: E402
 
-from taps.config import SpeculationConfig, TreeConfig  # noqa: E402
+from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, write_untrained  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402

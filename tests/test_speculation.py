@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from taps.cli import main
-from taps.config import AUTO_TREE_CAPS, FIXED_TREE, SpeculationConfig, TreeConfig
-from taps.profile import tree_policy
+from taps.cli.main import main
+from taps.core.config import AUTO_TREE_CAPS, FIXED_TREE, SpeculationConfig, TreeConfig
+from taps.drafter.profile import tree_policy
 from taps.propose.lookup import LookupSpec
 from taps.study import StudyConfigError, study_from_dict
 

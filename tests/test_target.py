@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import cached_model
-from taps.target import Target
-from taps.testing import tiny_model
-from taps.tree import DraftTree
+from taps.core.target import Target
+from taps.core.testing import tiny_model
+from taps.core.tree import DraftTree
 
 ATOL = 1e-5
 
@@ -131,8 +131,8 @@ def test_load_errors(tmp_path, target_dir):
 
 
 def test_auto_dtype_on_a_cpu_is_the_measured_choice(monkeypatch, tmp_path):
-    import taps.machine as machine
-    from taps.target import resolve_dtype
+    import taps.core.machine as machine
+    from taps.core.target import resolve_dtype
 
     cpu = torch.device("cpu")
     asked = []

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from conftest import cached_model, prompts
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import init_head
 from taps.propose.single import SingleProposer
-from taps.target import Target
-from taps.trace import entropy_of, step_trace
-from taps.tree import DraftTree
-from taps.verify import Acceptance
+from taps.core.target import Target
+from taps.core.trace import entropy_of, step_trace
+from taps.core.tree import DraftTree
+from taps.core.verify import Acceptance
 
 
 def hand_tree() -> DraftTree:

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from taps.cli import main
-from taps.config import DecodeConfig, TreeConfig
+from taps.cli.main import main
+from taps.core.config import DecodeConfig, TreeConfig
 from taps.data.features import FeatureSettings, extract_features
 from taps.data.regenerate import RegenerateSettings, regenerate
-from taps.decode import chat_ids, generate
+from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import init_head, load_head, read_config
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 from taps.train.trainer import TrainConfig, Trainer
 
 WORDS = "alpha beta gamma delta one two three four red blue green".split()
@@ -105,7 +105,7 @@ def test_eagle3_trains_end_to_end_through_the_cli(tmp_path, capsys):
     """`taps features --aux-layers auto` then `taps train --backbone eagle3` on an 8-layer tiny target
     (three distinct default layers): the head loads strictly, decodes exactly the plain greedy
     output, and its drafts are accepted far more than an untrained EAGLE-3 head's."""
-    from taps.testing import write_tiny_target
+    from taps.core.testing import write_tiny_target
 
     target_dir = write_tiny_target(tmp_path / "t8", "llama", seed=0, layers=8)
     target = Target.load(target_dir, device="cpu", dtype="float32")

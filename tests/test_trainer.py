@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
-from taps.config import DecodeConfig, TreeConfig
-from taps.decode import generate
+from taps.core.config import DecodeConfig, TreeConfig
+from taps.core.decode import generate
 from taps.drafter.checkpoint import load_head, read_config
 from taps.propose.single import SingleProposer
 from taps.train import trainer as trainer_mod
@@ -184,7 +184,7 @@ def test_two_processes_match_one(tmp_path, target, target_dir, features):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "taps.cli", "train", "--backbone", "hass", "--target", str(target_dir), "--features", str(features),
+           "-m", "taps.cli.main", "train", "--backbone", "hass", "--target", str(target_dir), "--features", str(features),
            "--out", str(tmp_path / "two"), "--epochs", "2", "--batch-size", "2", "--lr", "1e-3",
            "--warmup-steps", "2", "--seed", "3", "--cpu"]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -201,7 +201,7 @@ def test_two_processes_match_one(tmp_path, target, target_dir, features):
 def test_cli_keeps_every_epochs_head(tmp_path, target_dir, features):
     """`taps train --keep-epoch-heads`: each finished epoch leaves a loadable head, so a run cut short
     (a time limit on a lent GPU) still leaves its last epoch's; the last one equals the final head."""
-    from taps.cli import main
+    from taps.cli.main import main
 
     out = tmp_path / "head"
     assert main(["train", "--backbone", "eagle2", "--target", str(target_dir), "--features", str(features),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from taps.tree import DraftTree, additive_mask
+from taps.core.tree import DraftTree, additive_mask
 
 
 def make_tree(parents, tokens=None):
@@ -96,7 +96,7 @@ def test_additive_mask_prefix_and_window():
 
 
 def test_token_paths_pool_nodes_that_spell_the_same_tokens():
-    from taps.tree import TokenPaths, merge_disjoint
+    from taps.core.tree import TokenPaths, merge_disjoint
 
     # two drafters' trees under root 9: both propose 5 -> 6; the first also 5 -> 7, the second 8
     a = DraftTree.drafted(tokens=torch.tensor([9, 5, 6, 7]), parents=torch.tensor([-1, 0, 1, 1]),

@@ -1,4 +1,4 @@
-"""taps.attention: the tree path is taken, equals the dense-mask path and the library's own eager
+"""taps.core.attention: the tree path is taken, equals the dense-mask path and the library's own eager
 and SDPA attention in float32 at long context (100, 1,000 and 2,000 committed tokens), covers
 sliding windows (Mistral, Qwen2's hybrid layers), and falls back with one log line where it does
 not apply."""
@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import taps.attention as attention
+import taps.core.attention as attention
 from conftest import hf_greedy
-from taps.config import DecodeConfig
-from taps.decode import generate
-from taps.target import Target
-from taps.testing import tiny_model
-from taps.tree import DraftTree
+from taps.core.config import DecodeConfig
+from taps.core.decode import generate
+from taps.core.target import Target
+from taps.core.testing import tiny_model
+from taps.core.tree import DraftTree
 
 ATOL = 1e-5
 LONG = 2200  # max_position_embeddings of the long-context models
@@ -133,7 +133,7 @@ class NoisyChain:
         self.seq += acceptance.new_tokens
 
     def step_info(self):
-        from taps.propose.base import StepInfo
+        from taps.core.proposer import StepInfo
         return StepInfo()
 
 
@@ -167,7 +167,7 @@ def test_unmodelled_arguments_fall_back_with_one_log_line(caplog):
     k, v = torch.randn(1, 2, len(ids) + 3, 16), torch.randn(1, 2, len(ids) + 3, 16)
     fn = attention.ALL_ATTENTION_FUNCTIONS["taps_tree_eager"]
     ours, _ = fn(layer, q, k, v, None, scaling=0.25, **{attention.TREE_KWARG: block})
-    with caplog.at_level(logging.WARNING, logger="taps.attention"):
+    with caplog.at_level(logging.WARNING, logger="taps.core.attention"):
         fell, _ = fn(layer, q, k, v, None, scaling=0.25, s_aux=torch.zeros(4), **{attention.TREE_KWARG: block})
         fn(layer, q, k, v, None, scaling=0.25, s_aux=torch.zeros(4), **{attention.TREE_KWARG: block})
     assert torch.allclose(ours, fell, atol=ATOL)  # llama's eager ignores sinks: both are plain attention
@@ -177,7 +177,7 @@ def test_unmodelled_arguments_fall_back_with_one_log_line(caplog):
 
 def test_unwrapped_attention_keeps_the_dense_mask(caplog):
     fake = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
-    with caplog.at_level(logging.WARNING, logger="taps.attention"):
+    with caplog.at_level(logging.WARNING, logger="taps.core.attention"):
         assert attention.enable(fake) is False
     assert any("flash_attention_2" in r.getMessage() and "dense" in r.getMessage() for r in caplog.records)
 

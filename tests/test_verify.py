@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from taps.config import SamplingConfig
-from taps.tree import DraftTree, drafter_bits
-from taps.verify import target_probs, verify_greedy, verify_sampling
+from taps.core.config import SamplingConfig
+from taps.core.tree import DraftTree, drafter_bits
+from taps.core.verify import target_probs, verify_greedy, verify_sampling
 
 V = 12
 

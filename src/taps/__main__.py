@@ -2,6 +2,6 @@
 
 import sys
 
-from taps.cli import main
+from taps.cli.main import main
 
 sys.exit(main())

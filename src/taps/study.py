@@ -6,7 +6,7 @@ only the CLI sits above it (tests/test_import_graph.py, docs/architecture.md).
     name: smollm2
     out: runs/study-smollm2            # results/, report/ and work/ go here
     data_dir: null                     # else --data-dir / $TAPS_DATA_DIR
-    target: {path: T}                  # a model directory, a .gguf file or a known name (taps.target_source)
+    target: {path: T}                  # a model directory, a .gguf file or a known name (taps.core.targets)
     drafters: {out: DIR, recipe: {...}}  # recipe: DrafterRecipe fields; without it DIR must hold the heads
     backbones: [eagle2, hass]          # expands "{backbone}" in variant names and specs
     lambdas: [0.1, 0.5, 0.9]           # expands "{lambda}" (the averaging sweep)
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import yaml
 
-from taps.config import DEMO_OUT, SEED_LIMIT, STUDY_STAGES, SpeculationConfig
+from taps.core.config import DEMO_OUT, SEED_LIMIT, STUDY_STAGES, SpeculationConfig
 from taps.eval import report
 from taps.eval.benchmarks import load_questions
 from taps.eval.runner import EvalSettings, ResultsMismatchError, eval_benchmarks
-from taps.jsonl import decode_utf8
+from taps.core.jsonl import decode_utf8
 from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
-from taps.target import TargetRef
-from taps.target_source import KNOWN_TARGETS, find_gguf, resolve_target
+from taps.core.target import TargetRef
+from taps.core.targets import KNOWN_TARGETS, find_gguf, resolve_target
 from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, build_drafters
 
 STAGES = STUDY_STAGES
@@ -154,7 +154,7 @@ def _recipe_fields(where: str, mapping, recipe_cls) -> dict | None:
 
 def target_exists(study: "Study") -> bool:
     """The study's target is there to use: a model directory, or a GGUF file or known name
-    (taps.target_source) that loads without building anything."""
+    (taps.core.targets) that loads without building anything."""
     if (study.target / "config.json").is_file():
         return True
     return find_gguf(str(study.target)) is not None  # a known name whose package is missing says how to install it

@@ -1,4 +1,4 @@
-"""`taps lookup build`: a retrieval datastore (propose/datastore.py) from chat records, the
+"""`taps lookup build`: a retrieval datastore (propose/rest.py) from chat records, the
 target's own answers (`taps data regenerate` output, or any `{"conversations": [{role, content}]}`
 JSONL).
 
@@ -19,11 +19,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from taps.data.chat import encode_conversation, special_ids
-from taps.jsonl import read_json_lines
-from taps.outputs import check_output_dir
-from taps.propose.datastore import INDEX_DEPTH, MANIFEST, Datastore, DatastoreError, is_datastore, write_datastore
-from taps.target import tokenizer_fingerprint
-from taps.target_source import resolve_target, target_name
+from taps.core.jsonl import read_json_lines
+from taps.core.outputs import check_output_dir
+from taps.propose.rest import INDEX_DEPTH, MANIFEST, Datastore, DatastoreError, is_datastore, write_datastore
+from taps.core.target import tokenizer_fingerprint
+from taps.core.targets import resolve_target, target_name
 
 
 def assistant_segments(tokenizer, conversations: list[dict], special: set[int] | None = None) -> list[list[int]]:
@@ -63,7 +63,7 @@ def build_datastore(records: list[str | Path], target: str, out: str | Path, dep
                     force: bool = False) -> str:
     """Tokenize the assistant turns of every record file with the target's tokenizer, write the
     datastore to `out` and load it once (which builds and saves its index). Returns a summary.
-    A datastore already in `out` is rebuilt only with `force` (taps.outputs)."""
+    A datastore already in `out` is rebuilt only with `force` (taps.core.outputs)."""
     if not records:
         raise DatastoreError("--records: give at least one JSONL file")
     if not 1 <= depth <= 64:

@@ -31,14 +31,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from taps.config import setting
+from taps.core.config import setting
 from taps.data.chat import encode_conversation
 from taps.drafter.head3 import check_aux_layers, default_aux_layers
-from taps.identity import MismatchError, check_same, file_sha256
-from taps.jsonl import read_json, read_json_lines, write_json_atomic
-from taps.outlock import output_lock
-from taps.outputs import check_output_dir
-from taps.target import Target
+from taps.core.identity import MismatchError, check_same, file_sha256
+from taps.core.jsonl import read_json, read_json_lines, write_json_atomic
+from taps.core.outlock import output_lock
+from taps.core.outputs import check_output_dir
+from taps.core.target import Target
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -69,7 +69,7 @@ def file_digest(path: Path) -> str:
 
 @dataclass
 class FeatureSettings:
-    # `taps features`'s options (cli_args.add_settings)
+    # `taps features`'s options (cli/args.add_settings)
     max_len: int = setting(2048, at_least=1)
     dtype: str = setting("bf16", "stored feature dtype", choices=("bf16", "fp16", "fp32"))
     records_per_shard: int = setting(512, at_least=1)

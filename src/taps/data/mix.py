@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
-from taps.jsonl import write_jsonl
-from taps.outputs import check_output_file, first_line_is
+from taps.core.jsonl import write_jsonl
+from taps.core.outputs import check_output_file, first_line_is
 
 _COUNT = re.compile(r"[0-9]+")
 
@@ -74,7 +74,7 @@ def mix_to_file(specs: list[str], seed: int, out: str | Path, data_dir: str | Pa
                 force: bool = False) -> str:
     """`taps data mix`: mix_sources written to `out` atomically; returns what was written. `out`
     must not be a source, nor anything but a regular file, and an existing mixture is replaced only
-    with `force` (taps.outputs)."""
+    with `force` (taps.core.outputs)."""
     check_output_file(out, "--out", [(f"--source {text}", path) for text, path in _source_files(specs)],
                       force=force, holds=lambda path: first_line_is(path, ("conversations",)),
                       what="records (JSONL of conversations)")

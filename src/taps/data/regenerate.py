@@ -40,19 +40,19 @@ from pathlib import Path
 
 import torch
 
-from taps.config import DecodeConfig, SamplingConfig, check_at_least, setting
+from taps.core.config import DecodeConfig, SamplingConfig, check_at_least, setting
 from taps.data.features import read_conversations
-from taps.decode import ChatSession, chat_ids, reply_text
+from taps.core.decode import ChatSession, chat_ids, reply_text
 from taps.drafter.checkpoint import load_head
-from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
-from taps.outputs import check_output_file
+from taps.core.jsonl import JsonlFormatError, append_jsonl, read_jsonl
+from taps.core.outputs import check_output_file
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 
 @dataclass
 class RegenerateSettings:
-    # `taps data regenerate`'s options (cli_args.add_settings)
+    # `taps data regenerate`'s options (cli/args.add_settings)
     max_new_tokens: int = setting(512, at_least=1)
     temperature: float = setting(0.0, "0 = greedy")
     top_p: float = setting(1.0)
@@ -81,7 +81,7 @@ def _done_ids(out: Path) -> set[str]:
 
 def _pending(data: Path, out: Path, settings: RegenerateSettings) -> tuple[int, int, list[tuple[int, dict]]]:
     """(records in data, records already in out, [(index, record cut to max_turns)] still to do).
-    `out` must be a regular file (or new) and not `data` itself (taps.outputs)."""
+    `out` must be a regular file (or new) and not `data` itself (taps.core.outputs)."""
     check_output_file(out, "--out", [("--data", data)])
     records = read_conversations(data)
     ids = [str(r.get("id", i)) for i, r in enumerate(records)]
@@ -272,7 +272,7 @@ class EndpointError(ValueError):
 
 @dataclass
 class EndpointSettings:
-    # `taps data regenerate --endpoint`'s options (cli_args.add_settings); None: not given
+    # `taps data regenerate --endpoint`'s options (cli/args.add_settings); None: not given
     concurrency: int | None = setting(None, "--endpoint: records in flight at once (default 1; with more, records "
                                             "are written as they finish)", at_least=1)
     model: str | None = setting(None, "--endpoint: the served model's id (default: the first of GET /v1/models)")

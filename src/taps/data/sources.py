@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from taps.jsonl import LINE_WORD, decode_utf8, json_lines
+from taps.core.jsonl import LINE_WORD, decode_utf8, json_lines
 
 Record = dict[str, Any]
 Turn = tuple[str, str]  # (role, content)

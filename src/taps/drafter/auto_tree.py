@@ -12,7 +12,7 @@ should draft deep, an unsure one should stop early. Per step:
 where c(v) is the node's confidence (the product of the head's probabilities along its path,
 which EAGLE-2 already uses as its acceptance estimate) and a() is a calibration of confidence to
 the acceptance this head actually gets, learned online from every verified tree (binned on
-log10 c, starting from a(c) = c). The costs come from `taps profile` (taps/profile.py), the
+log10 c, starting from a(c) = c). The costs come from `taps profile` (taps/drafter/profile.py), the
 verify cost at the step's committed context: every tree node attends to all of it, so the same
 tree costs more after 2,000 tokens than after 100, and a tree sized for a short prompt would be
 too large for a long one.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from taps.tree import DraftTree, keep_nodes, merge_trie, path_scores, rerank
+from taps.core.tree import DraftTree, keep_nodes, merge_trie, path_scores, rerank
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:

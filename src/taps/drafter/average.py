@@ -26,8 +26,8 @@ from taps.drafter.checkpoint import DrafterInfo, pop_draft_vocab, read_config, r
 from taps.drafter.layouts import family_of_checkpoint
 from taps.drafter.head import EagleHead
 from taps.drafter.head3 import Eagle3Head
-from taps.drafter.weights import AverageError, check_weights
-from taps.outputs import check_output_dir
+from taps.drafter.mix_weights import AverageError, check_weights
+from taps.core.outputs import check_output_dir
 
 # config fields two heads must share to be averaged (rope is compared through rope_theta)
 MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -187,7 +187,7 @@ def average_command(drafters: Sequence[tuple[str, str]], out: str | Path, weight
     """`taps average`: the weighted average of named drafters (NAME, DIR) written to `out`, or with
     `sweep` lambda*A + (1-lambda)*B for two drafters under `out`; returns what was written. `out`
     (each sweep directory) is never one of the drafters, and a drafter there is replaced only with
-    `force` (taps.outputs)."""
+    `force` (taps.core.outputs)."""
     names = [n for n, _ in drafters]
     paths = [d for _, d in drafters]
     inputs = [(f"--drafter {n}={d}", d) for n, d in drafters]

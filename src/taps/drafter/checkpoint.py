@@ -38,11 +38,11 @@ from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
 from taps.drafter.layouts import (CheckpointError, family_of_checkpoint, foreign_eagle_to_taps, read_token_map,
                                   taps_layer_numbering)
-from taps.identity import file_sha256
-from taps.jsonl import read_json
-from taps.outputs import check_output_dir
-from taps.target import tokenizer_fingerprint
-from taps.target_source import resolve_target, target_name
+from taps.core.identity import file_sha256
+from taps.core.jsonl import read_json
+from taps.core.outputs import check_output_dir
+from taps.core.target import tokenizer_fingerprint
+from taps.core.targets import resolve_target, target_name
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -331,7 +331,7 @@ def write_untrained(target_dir: str | Path, out_dir: str | Path, seed: int = 0, 
                     backbone: str = "eagle2", force: bool = False) -> Path:
     """`taps drafter init`: an untrained head for the target in `target_dir`, read from its config
     and tokenizer only (the target's weights are not loaded). An existing head in `out_dir` is
-    replaced only with `force` (taps.outputs)."""
+    replaced only with `force` (taps.core.outputs)."""
     check_output_dir(out_dir, "drafter", force=force, inputs=[("--target", target_dir)])
     name = target_name(target_dir)
     target_dir = resolve_target(target_dir)

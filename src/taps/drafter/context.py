@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from taps import kv
+from taps.core import kv
 from taps.drafter.head import DraftHead
-from taps.tree import additive_mask
+from taps.core.tree import additive_mask
 
 
 @dataclass

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from taps import kv
-from taps.config import TreeConfig
+from taps.core import kv
+from taps.core.config import TreeConfig
 from taps.drafter.context import HeadContext
 from taps.drafter.head import EagleHead
-from taps.trace import entropy_of
-from taps.tree import DraftTree, additive_mask
+from taps.core.trace import entropy_of
+from taps.core.tree import DraftTree, additive_mask
 
 
 @torch.inference_mode()

@@ -27,8 +27,8 @@ from taps.drafter.checkpoint import (DrafterInfo, pop_draft_vocab, read_config, 
                                      write_drafter)
 from taps.drafter.layouts import (EAGLE3_KEYS, EAGLE_KEYS, EXPORT_RECORD, TOKEN_MAP_NAME, EngineLayout,
                                   ExportError, family_of_checkpoint, layout_for)
-from taps.jsonl import write_json_atomic
-from taps.outputs import check_output_dir
+from taps.core.jsonl import write_json_atomic
+from taps.core.outputs import check_output_dir
 
 CONVERTER = "convert_hf_to_gguf.py"
 GGUF_NAME = "head-f32.gguf"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from taps.data.sources import DATA_DIR_ENV
-from taps.jsonl import read_json_lines
+from taps.core.jsonl import read_json_lines
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,16 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from taps import workers
-from taps.config import DecodeConfig, SamplingConfig, TreeConfig
+from taps.core import workers
+from taps.core.config import DecodeConfig, SamplingConfig, TreeConfig
 from taps.data.sources import DATA_DIR_ENV
-from taps.decode import chat_ids, generate
+from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import load_head, weights_digest
 from taps.eval.benchmarks import load_benchmark
-from taps.jsonl import read_json, write_json_atomic
-from taps.outputs import check_output_file
+from taps.core.jsonl import read_json, write_json_atomic
+from taps.core.outputs import check_output_file
 from taps.propose.single import SingleProposer
-from taps.target import Target
+from taps.core.target import Target
 
 BENCHES = ("gsm8k", "mt_bench")
 

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from taps.decode import DecodeResult
-from taps.jsonl import JsonlFormatError, read_jsonl
+from taps.core.decode import DecodeResult
+from taps.core.jsonl import JsonlFormatError, read_jsonl
 
 RECORD_VERSION = 1
 ENTROPY_BIN_WIDTH = 0.25  # nats

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from taps.eval import metrics as m
 from taps.eval.runner import RUN_INFO
-from taps.jsonl import read_json
-from taps.outputs import check_output_dir
+from taps.core.jsonl import read_json
+from taps.core.outputs import check_output_dir
 
 BENCH_ORDER = ("mt_bench", "gsm8k", "math500", "svamp")  # the paper's column order; others follow
 BACKBONES = ("eagle2", "hass")  # name prefixes (study.PAPER_VARIANTS) that group the entropy figure
@@ -506,7 +506,7 @@ def _settings(run: Run) -> str:
 
 def write_report(results_dir: str | Path, out_dir: str | Path) -> Path:
     """Write every table (md, csv, tex), every figure (PNG) and report.md into out_dir (a new
-    directory or a report to redo, never the results or another kind of result: taps.outputs)."""
+    directory or a report to redo, never the results or another kind of result: taps.core.outputs)."""
     out = check_output_dir(out_dir, "report", inputs=[("RESULTS_DIR", results_dir)])
     run = load_run(results_dir)
     _pyplot()  # fail before writing anything when the figures cannot be drawn

@@ -4,7 +4,7 @@ Order: for each question, for each temperature, every variant in turn — so all
 same machine noise and the baseline's speed is measured side by side with theirs (docs/spec.md §5).
 MT-Bench's second turn continues each variant's own conversation (its own first answer).
 
-Resumable: the turns of one conversation are appended in one write (taps.jsonl); a rerun skips
+Resumable: the turns of one conversation are appended in one write (taps.core.jsonl); a rerun skips
 every conversation already written, in records.jsonl or in a shard, and never rewrites them.
 `run.json` pins what the records mean (target, tree, max_new_tokens, variant specs): a rerun with
 a different one is refused rather than mixed in.
@@ -27,20 +27,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from taps import workers
-from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from taps.decode import ChatSession, chat_ids
+from taps.core import workers
+from taps.core.config import DecodeConfig, SamplingConfig, SpeculationConfig
+from taps.core.decode import ChatSession, chat_ids
 from taps.drafter.checkpoint import weights_digest
 from taps.eval.benchmarks import Question
 from taps.eval.records import TurnIdentity, conversation_key, read_records, record_key, turn_record
-from taps.identity import MismatchError, check_same
-from taps.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
-from taps.outlock import output_lock
-from taps.outputs import check_output_dir
-from taps.profile import tree_policy
+from taps.core.identity import MismatchError, check_same
+from taps.core.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
+from taps.core.outlock import output_lock
+from taps.core.outputs import check_output_dir
+from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
-from taps.target import Target, TargetRef
+from taps.core.target import Target, TargetRef
 
 RECORDS = "records.jsonl"
 SHARDS = "shards"
@@ -264,7 +264,7 @@ def eval_benchmarks(source: TargetRef, variants: Sequence[VariantSpec], question
                     progress: bool = True) -> str:
     """`taps eval` and a study's eval stage: the questions (of the benchmarks: benchmarks.load_questions)
     decoded by every variant into `out` (run_eval, or run_eval_jobs with `jobs` worker processes);
-    returns a summary. `out` holds these results or none yet, never another kind (taps.outputs)."""
+    returns a summary. `out` holds these results or none yet, never another kind (taps.core.outputs)."""
     check_output_dir(out, "eval results")
     if jobs > 1:
         total = run_eval_jobs(source, variants, questions, out, settings, jobs=jobs, progress=progress)

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from taps.propose.base import Proposer
+from taps.core.proposer import Proposer
 from taps.propose.routed import RouteDecision, RoutedProposer, RoutingSignal
-from taps.tree import DraftTree
-from taps.verify import Acceptance
+from taps.core.tree import DraftTree
+from taps.core.verify import Acceptance
 
 
 def expected_tokens(tree: DraftTree) -> float:

@@ -10,7 +10,7 @@ a signal or a function.
     merge    one verification of the merged trees         MergedProposer(merge mode)
 
 A member is an EAGLE head, or a `LookupSpec` (propose/lookup.py: prompt lookup, a datastore of
-the target's own answers (propose/datastore.py), or both): a model-free drafter that routes and
+the target's own answers (propose/rest.py), or both): a model-free drafter that routes and
 merges like any head (it cannot be weight-averaged). HeadPool loads each
 drafter directory once and builds a fresh proposer per conversation (compositions keep per-turn
 state), averaging each set of heads once; it keeps each route-bandit variant's learned state
@@ -25,21 +25,21 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
-from taps.config import TreeConfig
+from taps.core.config import TreeConfig
 from taps.drafter.auto_tree import merge_budget_by_cost
 from taps.drafter.average import average_heads
 from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
 from taps.propose.bandit import BANDIT, BanditRouter, BanditState
-from taps.propose.base import PlainProposer, Proposer
-from taps.propose.datastore import Datastore, DatastoreError, is_datastore
+from taps.core.proposer import PlainProposer, Proposer
+from taps.propose.rest import Datastore, DatastoreError, is_datastore
 from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: F401 (LookupSpec: re-exported)
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
 from taps.propose.spec import LOOKUP_STORE, VariantSpec, VariantSpecError, is_lookup
-from taps.target import tokenizer_fingerprint
-from taps.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
+from taps.core.target import tokenizer_fingerprint
+from taps.core.tree import DraftTree, merge_budget, merge_disjoint, merge_trie
 
 Merge = Callable[[Sequence[DraftTree]], DraftTree]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from taps.config import DecodeConfig, SpeculationConfig
-from taps.decode import DecodeResult, chat_ids, generate, reply_text
-from taps.profile import tree_policy
+from taps.core.config import DecodeConfig, SpeculationConfig
+from taps.core.decode import DecodeResult, chat_ids, generate, reply_text
+from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import VariantSpec
-from taps.target import TargetRef
+from taps.core.target import TargetRef
 
 
 @dataclass

@@ -16,7 +16,7 @@ exp(logp) is a calibrated estimate, and `rank` orders the continuations. A node'
 binary entropy of q (the draft is deterministic; this keeps the entropy router's scale). With no
 match the tree is the root alone: one step of plain decoding.
 
-With a datastore (propose/datastore.py: a corpus of the target's own earlier answers, REST's
+With a datastore (propose/rest.py: a corpus of the target's own earlier answers, REST's
 retrieval), the datastore's most frequent continuations of the context's longest matching suffix
 (n = store_max_ngram..store_min_ngram) fill the rest of the tree after prompt lookup's, in the
 same trie (a path both propose is one node), scored
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from taps.config import TreeConfig
-from taps.propose.base import StepInfo
-from taps.propose.datastore import Datastore
-from taps.tree import DraftTree, TokenPaths
-from taps.verify import Acceptance
+from taps.core.config import TreeConfig
+from taps.core.proposer import StepInfo
+from taps.propose.rest import Datastore
+from taps.core.tree import DraftTree, TokenPaths
+from taps.core.verify import Acceptance
 
 
 @dataclass(frozen=True)

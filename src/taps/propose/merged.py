@@ -1,7 +1,7 @@
 """MergedProposer: several drafters each draft a full tree; their merge is verified in one pass.
 
 docs/spec.md §4 merges (the paper's disjoint merge, and trie and budget merges), for any number
-of drafters. The merge itself is a pure function of the trees (taps.tree.merge_disjoint |
+of drafters. The merge itself is a pure function of the trees (taps.core.tree.merge_disjoint |
 merge_trie | merge_budget, bound to the tree budget by the factory), passed in as `merge`:
 - disjoint: every tree under one shared root, no cross-tree attention (the paper's merge);
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from taps.propose.base import Proposer, ProposerGroup, StepInfo
-from taps.tree import DraftTree, TokenPaths, merge_disjoint
-from taps.verify import Acceptance
+from taps.core.proposer import Proposer, ProposerGroup, StepInfo
+from taps.core.tree import DraftTree, TokenPaths, merge_disjoint
+from taps.core.verify import Acceptance
 
 
 @dataclass

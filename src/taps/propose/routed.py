@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from taps.propose.base import Proposer, ProposerGroup, StepInfo
-from taps.tree import DraftTree
+from taps.core.proposer import Proposer, ProposerGroup, StepInfo
+from taps.core.tree import DraftTree
 
 
 def mean_confidence(tree: DraftTree) -> float:

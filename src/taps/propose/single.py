@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from taps.config import TreeConfig
+from taps.core.config import TreeConfig
 from taps.drafter.context import HeadContext, consume
 from taps.drafter.expand import expand_tree
 from taps.drafter.head import EagleHead
-from taps.propose.base import StepInfo
-from taps.tree import DraftTree, TokenPaths
-from taps.verify import Acceptance
+from taps.core.proposer import StepInfo
+from taps.core.tree import DraftTree, TokenPaths
+from taps.core.verify import Acceptance
 
 
 class SingleProposer:

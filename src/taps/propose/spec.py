@@ -15,7 +15,7 @@ drafter, model-free (propose/lookup.py; it routes and merges, it cannot be avera
     lookup             prompt lookup: continuations of the context's last n-grams in the prompt
                        and the output so far
     lookup+STORE       prompt lookup first, then a datastore (STORE: a directory written by
-                       `taps lookup build` from the target's own answers, propose/datastore.py)
+                       `taps lookup build` from the target's own answers, propose/rest.py)
                        adds its most frequent continuations (REST; up to 8 nodes a tree)
     STORE              a datastore directory as a member (a DIR holding datastore.json): the
                        datastore alone
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import InitVar, asdict, dataclass, fields
 from pathlib import Path
 
-from taps.drafter.weights import check_weights
+from taps.drafter.mix_weights import check_weights
 
 # ---- the name table: every name, and what it means (the CLI's help reads these) ------------------
 STRATEGIES = {

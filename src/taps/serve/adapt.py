@@ -29,16 +29,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from taps.config import DecodeConfig, TreeConfig, check_at_least, setting
+from taps.core.config import DecodeConfig, TreeConfig, check_at_least, setting
 from taps.data.features import FeatureSettings, extract_features
-from taps.decode import chat_ids, generate
+from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from taps.drafter.head import EagleHead
-from taps.jsonl import read_json, read_json_lines, write_json_atomic, write_jsonl
+from taps.core.jsonl import read_json, read_json_lines, write_json_atomic, write_jsonl
 from taps.propose.single import SingleProposer
 from taps.serve.answer_log import read_log
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, head_versions
-from taps.target import Target
+from taps.core.target import Target
 from taps.train.trainer import Trainer, TrainConfig
 
 ADAPT_DIR = "adapt"
@@ -50,7 +50,7 @@ class AdaptError(ValueError):
 
 @dataclass(frozen=True)
 class AdaptSettings:
-    # `taps adapt`'s options (cli_args.add_settings)
+    # `taps adapt`'s options (cli/args.add_settings)
     holdout: int = setting(20, "the most recent logged answers held out to compare the old and new head", at_least=1)
     epochs: int = setting(4, at_least=1)
     lr: float = setting(1e-4, "fine-tuning learning rate (linear decay to 0, no warm-up)")

@@ -20,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from taps.jsonl import JsonlFormatError, append_jsonl, read_jsonl
+from taps.core.jsonl import JsonlFormatError, append_jsonl, read_jsonl
 
 LOG_DIR = "log"
 _NAME = re.compile(r"answers-(\d{6,})\.jsonl")

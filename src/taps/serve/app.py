@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from taps.config import check_at_least, setting
+from taps.core.config import check_at_least, setting
 from taps.serve.admission import Scheduler
 from taps.serve.auth import BearerKey
 from taps.serve.engine import Engine, Outcome, Sampling, VariantError

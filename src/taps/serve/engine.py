@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from taps.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from taps.decode import StepStats, chat_ids, generate, reply_text
-from taps.profile import tree_policy
+from taps.core.config import DecodeConfig, SamplingConfig, SpeculationConfig
+from taps.core.decode import StepStats, chat_ids, generate, reply_text
+from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
-from taps.target import Target
+from taps.core.target import Target
 
 PLAIN_NAMES = ("baseline", "plain")
 ROUTING_LOG = logging.getLogger("taps.serve.routing")

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from taps.config import SpeculationConfig, setting
+from taps.core.config import SpeculationConfig, setting
 from taps.serve.engine import Engine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -25,7 +25,7 @@ API_KEY_ENV = "TAPS_API_KEY"
 
 @dataclass(frozen=True)
 class ServeSettings:
-    # `taps serve`'s server options (cli_args.add_settings)
+    # `taps serve`'s server options (cli/args.add_settings)
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)")
     port: int = setting(8000, "port to listen on (1..65535)")
     served_model_name: str | None = setting(None, "the model id of /v1/models and requests (default: the "

@@ -1,4 +1,4 @@
-"""DIR/store/ of `taps serve --learn DIR`: a retrieval datastore (propose/datastore.py) of the
+"""DIR/store/ of `taps serve --learn DIR`: a retrieval datastore (propose/rest.py) of the
 answers the server has returned, which the `lookup` member drafts from while it grows.
 
 Why snapshots: a request's lookup drafter holds the Datastore it started with; every update builds
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from taps.propose.datastore import SEP, Datastore, DatastoreError, is_datastore, write_datastore
+from taps.propose.rest import SEP, Datastore, DatastoreError, is_datastore, write_datastore
 from taps.propose.factory import load_datastore
 
 STORE_DIR = "store"

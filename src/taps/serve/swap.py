@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from taps.drafter.checkpoint import load_head
-from taps.jsonl import write_json_atomic
+from taps.core.jsonl import write_json_atomic
 
 HEADS_DIR = "heads"
 ROLLED_BACK = "rolled_back.json"

@@ -26,7 +26,7 @@ from torch import Tensor
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import pop_draft_vocab, read_config, read_weights, write_drafter
 from taps.drafter.layouts import family_of_checkpoint
-from taps.outputs import check_output_dir
+from taps.core.outputs import check_output_dir
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taps import workers
+from taps.core import workers
 from taps.data.features import FeatureSettings, extract_features, read_conversations
 from taps.data.mix import mix_sources
 from taps.data.regenerate import RegenerateSettings, regenerate
-from taps.jsonl import read_json, read_jsonl, write_json_atomic, write_jsonl
-from taps.target import Target
+from taps.core.jsonl import read_json, read_jsonl, write_json_atomic, write_jsonl
+from taps.core.target import Target
 from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
 DOMAINS = ("chat", "math", "mixed-small", "mixed-large")

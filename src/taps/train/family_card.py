@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from taps.jsonl import read_json, read_json_lines
+from taps.core.jsonl import read_json, read_json_lines
 
 
 def _jsonl(path: Path) -> list[dict]:

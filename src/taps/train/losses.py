@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from taps import kv
+from taps.core import kv
 from taps.drafter.context import causal_block_mask
 from taps.drafter.head import DraftHead
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from taps.jsonl import read_json
+from taps.core.jsonl import read_json
 
 LATEST = "latest"
 

@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from taps.config import check_at_least, setting
+from taps.core.config import check_at_least, setting
 from taps.data.features import FeatureSet
 from taps.drafter.checkpoint import DrafterInfo, init_head, save_head
-from taps.identity import MismatchError, check_same
-from taps.jsonl import append_jsonl, read_json, read_jsonl, write_jsonl
-from taps.outlock import output_lock
-from taps.outputs import check_output_dir
-from taps.target import Target
+from taps.core.identity import MismatchError, check_same
+from taps.core.jsonl import append_jsonl, read_json, read_jsonl, write_jsonl
+from taps.core.outlock import output_lock
+from taps.core.outputs import check_output_dir
+from taps.core.target import Target
 from taps.train.draft_vocab import DraftVocab, choose_draft_vocab
 from taps.train.losses import (Eagle2Config, Eagle3Config, HassConfig, counted_positions, eagle2_loss, eagle3_loss,
                                hass_loss, pad_batch, pooled_loss)
@@ -62,7 +62,7 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainConfig:
-    # the fields declared with setting() are `taps train`'s options (cli_args.add_settings)
+    # the fields declared with setting() are `taps train`'s options (cli/args.add_settings)
     backbone: str = setting("eagle2", choices=BACKBONES)
     epochs: int = setting(20, at_least=1)
     lr: float = setting(3e-5)
@@ -413,7 +413,7 @@ class Trainer:
 def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: TrainConfig, resume: bool = False,
                   device: str | None = None, force: bool = False) -> Path:
     """`taps train`: load the target (for its embedding, LM head and tokenizer) and fit a head; the
-    main process prints where it is saved. `out` holds no other kind of result (taps.outputs), a
+    main process prints where it is saved. `out` holds no other kind of result (taps.core.outputs), a
     head already there (without a run to resume) is replaced only with `force`, and a --resume
     that finds no checkpoint says so before it starts from step 0."""
     try:
@@ -445,5 +445,5 @@ def train_drafter(target_dir: str, features: str | list[str], out: str, cfg: Tra
 
 
 def writer_lock(out: Path, main_process: bool = True):
-    """The run directory's one-writer lock (taps.outlock), taken by the main process only."""
+    """The run directory's one-writer lock (taps.core.outlock), taken by the main process only."""
     return output_lock(out, "training") if main_process else nullcontext()

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from taps.tree import DraftTree
-from taps.verify import Acceptance
+from taps.core.tree import DraftTree
+from taps.core.verify import Acceptance
 
 
 @dataclass(frozen=True)

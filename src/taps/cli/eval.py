@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from taps.cli_args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, finite_float,
+from taps.cli.args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, finite_float,
                            number_list, positive_int, seed_int, speculation_from)
-from taps.config import DEMO_OUT, STUDY_STAGES
+from taps.core.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
 from taps.eval.runner import EvalSettings, eval_benchmarks
 from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
 from taps.study import DemoSettings, reproduce, run_demo
-from taps.target import TargetRef
+from taps.core.target import TargetRef
 
 
 def _variant(text: str):

@@ -17,7 +17,7 @@ import struct
 import sys
 from pathlib import Path
 
-from taps.jsonl import read_json
+from taps.core.jsonl import read_json
 
 WINDOWS, WINDOW = 256, 4096
 _cache: dict[tuple, str] = {}

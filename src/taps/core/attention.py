@@ -41,8 +41,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from taps.stopwatch import now
-from taps.tree import additive_mask
+from taps.core.stopwatch import now
+from taps.core.tree import additive_mask
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ The verify cost also depends on how much context is committed (every tree node a
 it), so the profile times tree forwards at several context lengths too (`verify_ms_by_context`:
 128 to 2,048 tokens, what `--tree auto` reads for the step at hand), and splits a 16-node tree
 forward into mask building, attention, cache append and everything else (`verify_split`), for
-the tree attention the Target uses (taps.attention) and for the dense-mask path it replaced.
+the tree attention the Target uses (taps.core.attention) and for the dense-mask path it replaced.
 
 A profile is a small JSON file cached under `$TAPS_CACHE_DIR/profiles`, keyed by the machine
 (CPU or GPU model, cores, torch version), the target, the dtype and the thread count (and the
@@ -30,18 +30,18 @@ from pathlib import Path
 
 import torch
 
-from taps import attention, kv
-from taps.config import SpeculationConfig
+from taps.core import attention, kv
+from taps.core.config import SpeculationConfig
 from taps.drafter.auto_tree import AutoTree, StepCosts
 from taps.drafter.checkpoint import load_head
 from taps.drafter.context import consume
 from taps.drafter.head import DraftHead
-from taps.jsonl import read_json, write_json_atomic
-from taps.machine import machine
-from taps.stopwatch import now
-from taps.target import Target
-from taps.target_source import cache_root
-from taps.tree import DraftTree, additive_mask
+from taps.core.jsonl import read_json, write_json_atomic
+from taps.core.machine import machine
+from taps.core.stopwatch import now
+from taps.core.target import Target
+from taps.core.targets import cache_root
+from taps.core.tree import DraftTree, additive_mask
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from taps.tree import DraftTree
-from taps.verify import Acceptance
+from taps.core.tree import DraftTree
+from taps.core.verify import Acceptance
 
 
 @dataclass(frozen=True)

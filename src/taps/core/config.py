@@ -17,7 +17,7 @@ SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT): torch.manual_seed
 def setting(default, help: str = "", *, flag: str | None = None, choices: Sequence[str] | None = None,
             at_least: int | None = None, metavar: str | None = None):
     """A field of a settings dataclass that is also a command-line option, declared once:
-    cli_args.add_settings makes the option from the field's name, type and default and these
+    cli/args.add_settings makes the option from the field's name, type and default and these
     (the help, the flag where it is not --FIELD-NAME, the choices, the lowest integer)."""
     return field(default=default, metadata={"option": {"help": help or None, "flag": flag, "choices": choices,
                                                         "at_least": at_least, "metavar": metavar}})
@@ -142,7 +142,7 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
-    trace: bool = False  # record taps.trace.StepTrace per step (confidences, entropies); its cost is not timed
+    trace: bool = False  # record taps.core.trace.StepTrace per step (confidences, entropies); its cost is not timed
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

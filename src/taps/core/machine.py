@@ -5,7 +5,7 @@ Why measure: bf16 was picked only on CPUs with AMX tiles, but an AMD EPYC with A
 AMX ran SmolLM2-135M in bf16 at 35 tokens/s (2 threads) while float32, which the rule chose there,
 made `make demo` take three times as long. What is fast depends on the CPU's instructions, the
 torch build and the thread count, so the choice is a measurement: a 16-node tree forward after
-512 committed tokens (the Target's verify step, through taps.attention) in float32 and in bf16,
+512 committed tokens (the Target's verify step, through taps.core.attention) in float32 and in bf16,
 the faster wins (float32 on a tie: it is the exact one). It is cached per machine, target and
 thread count beside the profiles, and a new measurement says what it chose and why.
 `TAPS_CPU_DTYPE=float32|bfloat16` pins the choice instead (the tests pin float32, so that no
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from taps import attention
-from taps.jsonl import read_json, write_json_atomic
-from taps.stopwatch import now
-from taps.target_source import cache_root
+from taps.core import attention
+from taps.core.jsonl import read_json, write_json_atomic
+from taps.core.stopwatch import now
+from taps.core.targets import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ FastAPI app of taps.serve.app).
 
 from __future__ import annotations
 
-from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, device_arg,
+from taps.cli.args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, device_arg,
                            settings_from, speculation_from)
-from taps.propose.commands import parse_named_drafter
+from taps.cli.propose import parse_named_drafter
 from taps.serve.adapt import AdaptSettings, adapt
 from taps.serve.launch import ServeSettings, serve
 

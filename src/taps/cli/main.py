@@ -14,23 +14,23 @@ import sys
 
 from safetensors import SafetensorError
 
-from taps.cli_args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, finite_float,
+from taps.cli.args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, finite_float,
                            non_negative_float, number_list, positive_int, seed_int, speculation_from)
-from taps.config import DecodeConfig, SamplingConfig
-from taps.data import commands as data_commands
-from taps.decode import ContextWindowError
-from taps.drafter import commands as drafter_commands
+from taps.core.config import DecodeConfig, SamplingConfig
+from taps.cli import data as data_commands
+from taps.core.decode import ContextWindowError
+from taps.cli import drafter as drafter_commands
 from taps.drafter.checkpoint import CheckpointError, write_untrained
-from taps.eval import commands as eval_commands
+from taps.cli import eval as eval_commands
 from taps.eval.drafter_table import table_of_directory
-from taps.outlock import OutputBusyError
-from taps.profile import profile_report
-from taps.propose import commands as propose_commands
+from taps.core.outlock import OutputBusyError
+from taps.drafter.profile import profile_report
+from taps.cli import propose as propose_commands
 from taps.propose.generate import generate_prompt
-from taps.serve import commands as serve_commands
-from taps.target import TargetRef
-from taps.target_source import convert_target
-from taps.train import commands as train_commands
+from taps.cli import serve as serve_commands
+from taps.core.target import TargetRef
+from taps.core.targets import convert_target
+from taps.cli import train as train_commands
 from taps.train.draft_vocab import reduce_vocab
 from taps.train.trainer import TrainingError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import DefaultsHelpFormatter
+from taps.cli.args import DefaultsHelpFormatter
 from taps.drafter.average import average_command
 from taps.propose.spec import (DEFAULTS, GRANULARITIES, MERGE_MODES, SIGNALS, SPEC_HELP, STRATEGIES, VariantSpec,
                                VariantSpecError, parse_member, parse_spec, spec_from_options)

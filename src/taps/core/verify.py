@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from taps.config import SamplingConfig
-from taps.tree import DraftTree, TokenPaths
+from taps.core.config import SamplingConfig
+from taps.core.tree import DraftTree, TokenPaths
 
 
 @dataclass(frozen=True)

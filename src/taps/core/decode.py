@@ -26,13 +26,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from taps.config import DecodeConfig
-from taps.propose.base import PlainProposer, Proposer, StepInfo
-from taps.stopwatch import Stopwatch
-from taps.target import Target
-from taps.trace import StepTrace, step_trace
-from taps.tree import DraftTree
-from taps.verify import Acceptance, sample_token, verify
+from taps.core.config import DecodeConfig
+from taps.core.proposer import PlainProposer, Proposer, StepInfo
+from taps.core.stopwatch import Stopwatch
+from taps.core.target import Target
+from taps.core.trace import StepTrace, step_trace
+from taps.core.tree import DraftTree
+from taps.core.verify import Acceptance, sample_token, verify
 
 
 class ContextWindowError(ValueError):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from taps.jsonl import read_json, write_json_atomic
+from taps.core.jsonl import read_json, write_json_atomic
 
 FORMAT = 1
 MANIFEST, TOKENS = "datastore.json", "tokens.npy"

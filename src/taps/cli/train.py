@@ -4,7 +4,7 @@ TrainConfig: config.setting fields)."""
 
 from __future__ import annotations
 
-from taps.cli_args import DefaultsHelpFormatter, add_settings, device_arg, settings_from
+from taps.cli.args import DefaultsHelpFormatter, add_settings, device_arg, settings_from
 from taps.data.features import FeatureSettings, features_of
 from taps.train.trainer import TrainConfig, train_drafter
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from taps.identity import file_sha256
-from taps.jsonl import read_json, write_json_atomic
+from taps.core.identity import file_sha256
+from taps.core.jsonl import read_json, write_json_atomic
 
 GGUF_MAGIC = b"GGUF"
 

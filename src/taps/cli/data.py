@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli_args import add_settings, comma_list, device_arg, seed_int, settings_from
+from taps.cli.args import add_settings, comma_list, device_arg, seed_int, settings_from
 from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
 from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
-from taps.propose.datastore import INDEX_DEPTH
+from taps.propose.rest import INDEX_DEPTH
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +59,7 @@ def _regenerate(args: argparse.Namespace) -> int:
 
 
 def register_lookup(subparsers: argparse._SubParsersAction) -> None:
-    """Add `taps lookup build`: the datastore that `lookup+STORE` drafts from (propose/datastore.py)."""
+    """Add `taps lookup build`: the datastore that `lookup+STORE` drafts from (propose/rest.py)."""
     lookup = subparsers.add_parser("lookup", help="the lookup drafter's datastore: the target's own answers, "
                                                   "retrieved as drafts (REST)")
     lsub = lookup.add_subparsers(dest="lookup_command", required=True)

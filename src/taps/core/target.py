@@ -1,7 +1,7 @@
 """Target: an UNMODIFIED Hugging Face causal LM plus its tokenizer, driven through its cache.
 
 A tree forward is the library's own forward with explicit position_ids (prefix length + node
-depth) and the tree's ancestor structure, which taps.attention (an AttentionInterface function
+depth) and the tree's ancestor structure, which taps.core.attention (an AttentionInterface function
 the Target selects) applies as an N x N mask on the tree block only; a model whose attention it
 does not wrap gets the additive 4D mask [1, 1, N, prefix + N] instead. The KV cache is the
 library's DynamicCache, pruned by kv.py. One code path therefore serves Llama, Qwen2, Mistral and
@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taps import attention, kv, machine
-from taps.config import DEVICE_PATTERN
-from taps.identity import tensors_identity, weights_identity
-from taps.target_source import resolve_target, target_name
-from taps.tree import DraftTree, additive_mask
+from taps.core import attention, kv, machine
+from taps.core.config import DEVICE_PATTERN
+from taps.core.identity import tensors_identity, weights_identity
+from taps.core.targets import resolve_target, target_name
+from taps.core.tree import DraftTree, additive_mask
 
 # End-of-turn markers of common chat templates; used as stop tokens when the tokenizer has them.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
@@ -59,7 +59,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 def resolve_dtype(dtype: str, device: torch.device, measure_on: tuple[Path, str, bool] | None = None) -> torch.dtype:
     """"auto": bf16 on GPUs that support it (else fp16); on a CPU the faster of bf16 and float32
-    for a verify step of this target, measured once and cached (taps.machine; `measure_on`: the
+    for a verify step of this target, measured once and cached (taps.core.machine; `measure_on`: the
     model directory, the target's name, trust_remote_code), float32 when there is nothing to
     measure. Greedy speculative output is token-identical to plain decoding only in float32: in
     bf16 a tree forward and a one-token forward round differently, so the target's near-ties can flip."""
@@ -94,7 +94,7 @@ class Target:
         # hidden_states indices whose rows every forward returns, concatenated: the last layer, then
         # whatever the attached heads read (an EAGLE-3 head's low / middle / high layers)
         self.feature_layers: tuple[int, ...] = (LAST_LAYER,)
-        # tree forwards through taps.attention (False: the dense-mask path, logged once)
+        # tree forwards through taps.core.attention (False: the dense-mask path, logged once)
         self.tree_attention = attention.enable(self.model)
         self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
         self.source_dir: Path | None = None  # the model directory Target.load read (a GGUF's cached conversion)
@@ -111,7 +111,7 @@ class Target:
         trust_remote_code: bool = False,
     ) -> "Target":
         """`path`: a Hugging Face model directory, a .gguf file (or a directory holding one), or a
-        short name such as `smollm2-135m-instruct` (taps.target_source); GGUF weights load from
+        short name such as `smollm2-135m-instruct` (taps.core.targets); GGUF weights load from
         their cached safetensors conversion."""
         name = target_name(path)
         path = resolve_target(path)
@@ -203,7 +203,7 @@ class Target:
         return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
 
     def identity(self) -> dict[str, str]:
-        """What this target's outputs depend on, by content (taps.identity): `target_weights`, a
+        """What this target's outputs depend on, by content (taps.core.identity): `target_weights`, a
         digest of its config and weights (not its tokenizer: a base model and its instruct version
         share one), and `target_dtype`, the dtype it runs in."""
         if self._weights is None:
@@ -304,7 +304,7 @@ class Target:
 
     def _dense_mask(self, ancestors: Tensor, depth: Tensor, prefix: int, size: int) -> Tensor | dict[str, Tensor]:
         """The additive mask [1, 1, N, prefix + N] (one per attention type on hybrid models), for
-        models whose attention taps.attention does not wrap."""
+        models whose attention taps.core.attention does not wrap."""
         full = additive_mask(ancestors, depth, prefix, None, self.dtype)
         window = self._window()
         if window is None or prefix + size <= window:
@@ -328,7 +328,7 @@ class TargetRef:
     from the command line to where the loading happens (a library call, or each `--jobs` worker
     process, which loads its own copy)."""
 
-    path: str  # a Hugging Face model directory, a .gguf file or a known name (taps.target_source)
+    path: str  # a Hugging Face model directory, a .gguf file or a known name (taps.core.targets)
     device: str = "auto"
     dtype: str = "auto"
     attn: str = "sdpa"  # the target's attention implementation

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from taps.stopwatch import now
+from taps.core.stopwatch import now
 
 
 def new_cache() -> DynamicCache:

@@ -84,9 +84,9 @@ def write_tiny_target(out_dir: str | Path, arch: str = "llama", seed: int = 0, *
     return out
 
 
-if __name__ == "__main__":  # python -m taps.testing OUT_DIR [ARCH]: write a random tiny target
+if __name__ == "__main__":  # python -m taps.core.testing OUT_DIR [ARCH]: write a random tiny target
     import sys
 
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m taps.testing OUT_DIR [llama|qwen2|mistral]")
+        raise SystemExit("usage: python -m taps.core.testing OUT_DIR [llama|qwen2|mistral]")
     print(write_tiny_target(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "llama"))

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import fields
 
-from taps.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, SEED_LIMIT, TREE_MODES, SpeculationConfig
+from taps.core.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, SEED_LIMIT, TREE_MODES, SpeculationConfig
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
