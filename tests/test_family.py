@@ -123,6 +123,41 @@ def test_regenerated_data_keeps_the_drawn_order(tmp_path, data_dir, target_dir):
         build_drafters(replace(recipe, regen_max_new_tokens=7), target_dir, tmp_path / "drafters", tmp_path / "work")
 
 
+def test_shipped_regenerated_data_skips_regeneration(tmp_path, data_dir, target_dir, monkeypatch):
+    """A build ships its regenerated answers (ship_data, gzip); a recipe naming them rebuilds the same
+    training files and features without calling the target's generate, and refuses data from another
+    draw naming the file and line."""
+    from taps.data.features import read_conversations
+    from taps.train import family
+    from taps.train.family import DrafterRecipe, build_drafters, ship_data
+
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=f"sharegpt:{data_dir / 'sharegpt.json'}",
+                           n_per_domain=6, max_len=48, epochs=1, batch_size=4, warmup_steps=1,
+                           backbones=("eagle2",), domains=("math",), regenerate=True,
+                           regen_batch_size=4, regen_max_new_tokens={"chat": 5, "math": 6})
+    build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    [shipped] = ship_data(tmp_path / "work", tmp_path / "ship", domains=("math",))
+    assert shipped.name == "math.train.jsonl.gz" and shipped.read_bytes()[:2] == b"\x1f\x8b"
+    original = read_conversations(tmp_path / "work" / "math.train.jsonl")
+    assert read_conversations(shipped) == original
+    assert ship_data(tmp_path / "work", tmp_path / "ship2", domains=("math",))[0].read_bytes() == shipped.read_bytes()
+
+    def no_regeneration(*args, **kwargs):
+        raise AssertionError("regenerate() called although the shipped data is present")
+
+    monkeypatch.setattr(family, "regenerate", no_regeneration)
+    again = replace(recipe, shipped_data={"math": str(shipped), "chat": str(tmp_path / "absent.jsonl.gz")})
+    build_drafters(again, target_dir, tmp_path / "drafters2", tmp_path / "work2")
+    assert read_conversations(tmp_path / "work2" / "math.train.jsonl") == original
+    before = json.loads((tmp_path / "work" / "features-math" / "manifest.json").read_text())
+    after = json.loads((tmp_path / "work2" / "features-math" / "manifest.json").read_text())
+    assert after["tokens"] == before["tokens"] and after["assistant_tokens"] == before["assistant_tokens"]
+
+    other_draw = replace(again, seed=1)  # the same file does not answer another draw
+    with pytest.raises(ValueError, match=r"math\.train\.jsonl\.gz:\d+: record id .* not in this draw"):
+        build_drafters(other_draw, target_dir, tmp_path / "drafters3", tmp_path / "work3")
+
+
 def test_only_the_domains_the_pending_heads_need_are_prepared(tmp_path, data_dir, target_dir):
     from taps.train.family import DrafterRecipe, build_drafters
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from taps.core.jsonl import JsonlFormatError, read_json
+from taps.core.jsonl import JsonlFormatError, read_json, read_json_lines, write_jsonl
 
 
 class Mine(ValueError):
@@ -42,3 +42,18 @@ def test_a_bad_document_names_the_file_and_what_was_expected(tmp_path, content, 
 def test_a_missing_file_is_the_callers_to_report(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_json(tmp_path / "absent.json", "anything")
+
+
+def test_gz_names_are_compressed_both_ways_and_reproducible(tmp_path):
+    import gzip
+
+    records = [{"id": i, "text": "é\u2028" * i} for i in range(5)]
+    path = write_jsonl(records, tmp_path / "data.jsonl.gz")
+    assert gzip.decompress(path.read_bytes()).decode().count("\n") == 5
+    assert [r for _, r in read_json_lines(path)] == records
+    first = path.read_bytes()
+    write_jsonl(records, path)
+    assert path.read_bytes() == first  # no time stamp in the header
+    (tmp_path / "cut.jsonl.gz").write_bytes(first[:-8])
+    with pytest.raises(JsonlFormatError, match=r"cut\.jsonl\.gz: not a complete gzip file"):
+        read_json_lines(tmp_path / "cut.jsonl.gz")

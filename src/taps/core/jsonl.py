@@ -2,7 +2,9 @@
 
 Two kinds of JSONL file:
 - whole files (data sets, benchmark questions): read_json_lines reads every non-blank line;
-  write_jsonl writes one atomically (a temporary file, fsync, rename).
+  write_jsonl writes one atomically (a temporary file, fsync, rename). A name ending in `.gz` is
+  gzip-compressed both ways (the shipped training data: models/*/data/*.jsonl.gz); written with no
+  name or time in the gzip header, so the same records give the same bytes.
 - logs that long jobs append to and resume from (results, regenerated answers): append_jsonl
   appends records in one write and fsyncs, so a crash leaves at most one torn last line (no
   trailing newline); read_jsonl skips it, and only the writer about to append cuts it off
@@ -16,6 +18,8 @@ expected; write_json_atomic writes one via a rename.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -85,8 +89,14 @@ def json_lines(text: str, path: str | Path, error: type[ValueError] = JsonlForma
 
 def read_json_lines(path: str | Path, error: type[ValueError] = JsonlFormatError,
                     at: str = AT_COLON) -> list[tuple[int, Any]]:
-    """json_lines of a whole UTF-8 file (see decode_utf8)."""
-    return json_lines(decode_utf8(Path(path).read_bytes(), path), path, error, at)
+    """json_lines of a whole UTF-8 file (see decode_utf8); a `.gz` name is decompressed first."""
+    data = Path(path).read_bytes()
+    if str(path).endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise error(f"{path}: not a complete gzip file ({err}); expected gzip-compressed JSONL") from None
+    return json_lines(decode_utf8(data, path), path, error, at)
 
 
 def read_jsonl(path: str | Path, repair_torn: bool = False) -> tuple[list[tuple[int, dict]], bool]:
@@ -141,20 +151,32 @@ def append_jsonl(path: str | Path, objects: Iterable[dict]) -> None:
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
     """One JSON record per line, written to a temporary file beside the target and moved into place,
-    so an interrupted run never leaves a half-written file under the final name."""
+    so an interrupted run never leaves a half-written file under the final name (gzip-compressed
+    when the name ends in `.gz`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        with open(tmp, "xb") as f:
+            if path.name.endswith(".gz"):  # no file name or time in the header: same records, same bytes
+                with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=f, mtime=0) as packed:
+                    _write_lines(records, packed)
+            else:
+                _write_lines(records, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _write_lines(records: Iterable[dict], binary) -> None:
+    text = io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
+    for record in records:
+        text.write(json.dumps(record, ensure_ascii=False) + "\n")
+    text.flush()
+    text.detach()  # leaves the binary file open for the caller's fsync
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -67,6 +67,10 @@ class DrafterRecipe:
     regen_max_turns: int | None = None  # keep the first K user turns of each conversation
     regen_max_prompt_tokens: int | None = None  # skip records whose first prompt is longer
     regen_temperature: float = 0.0
+    # {chat: PATH, math: PATH}: the target's answers to this draw, regenerated once and shipped
+    # (models/<target>/data/<domain>.train.jsonl.gz, in the drawn order); a domain whose file is
+    # present skips regeneration, one whose file is absent regenerates as without it
+    shipped_data: dict | None = None
     draft_vocab: int | None = None  # train each head over the N most frequent tokens of its data (None: all)
     keep_epoch_heads: bool = False  # keep every epoch's head in the work directory (learning curves)
 
@@ -99,6 +103,14 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path
     ordered = data.with_name(f"{domain}.train.jsonl")
     if ordered.is_file():
         return ordered
+    shipped = (recipe.shipped_data or {}).get(domain)
+    if shipped and Path(shipped).is_file():
+        kept = shipped_answers(Path(shipped), data)
+        write_jsonl(kept, ordered)
+        log(f"{domain}: {len(kept)} regenerated records from {shipped} (shipped: regeneration skipped) -> {ordered}")
+        return ordered
+    if shipped:
+        log(f"{domain}: {shipped} is absent: regenerating")
     answers = data.with_name(f"{domain}.regenerated.jsonl")
     limit = recipe.regen_max_new_tokens
     settings = RegenerateSettings(max_new_tokens=int(limit[domain] if isinstance(limit, dict) else limit),
@@ -112,6 +124,30 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path
     write_jsonl(kept, ordered)  # atomically: its presence means the domain's regeneration is complete
     log(f"{domain}: {len(kept)} regenerated records -> {ordered}")
     return ordered
+
+
+def first_user_turn(record: dict) -> str | None:
+    return next((turn.get("content") for turn in record["conversations"] if turn.get("role") == "user"), None)
+
+
+def shipped_answers(shipped: Path, data: Path) -> list[dict]:
+    """The shipped regenerated records, checked against this draw: each answers a drawn record (same
+    id, same first user turn) and they keep the drawn order (records the recipe skipped, such as
+    over-long prompts, are absent). Another draw (seed, source, N) is refused naming the line."""
+    drawn = {str(r["id"]): (i, first_user_turn(r)) for i, r in enumerate(read_conversations(data))}
+    records, last = read_conversations(shipped), -1
+    for line, record in enumerate(records, start=1):
+        rid = str(record.get("id"))
+        if rid not in drawn:
+            raise ValueError(f"{shipped}:{line}: record id {rid!r} is not in this draw ({data}); the shipped data "
+                             "belongs to another recipe (source, n_per_domain or seed)")
+        index, prompt = drawn[rid]
+        if first_user_turn(record) != prompt:
+            raise ValueError(f"{shipped}:{line}: record {rid!r} answers another prompt than the drawn one in {data}")
+        if index <= last:
+            raise ValueError(f"{shipped}:{line}: record {rid!r} is out of the drawn order of {data}")
+        last = index
+    return records
 
 
 def feature_specs(domain: str, work: Path, backbone: str, n: int) -> list[str]:
@@ -309,6 +345,10 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    shipped = recipe.shipped_data or {}
+    if not isinstance(shipped, dict) or set(shipped) - {"chat", "math"} or \
+            not all(isinstance(v, str) and v for v in shipped.values()):
+        raise ValueError(f"shipped_data must map chat and / or math to a file, got {shipped!r}")
     check_same_recipe(out, recipe)
     pending = []
     for backbone in recipe.backbones:
@@ -331,6 +371,19 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
         for backbone, domain in pending:
             _train_head(recipe, target, out, work, backbone, domain)
     return _record(out, recipe)
+
+
+def ship_data(work: str | Path, dest: str | Path, domains: tuple[str, ...] = ("chat", "math")) -> list[Path]:
+    """The regenerated training data of a build (WORK/<domain>.train.jsonl) as DEST/<domain>.train.jsonl.gz,
+    the files a recipe's `shipped_data` names: a clean clone then rebuilds features and heads without
+    regenerating (gzip written without a time stamp: the same records give the same bytes)."""
+    written = []
+    for domain in domains:
+        source = Path(work) / f"{domain}.train.jsonl"
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: no regenerated {domain} data in this build (run its data stage first)")
+        written.append(write_jsonl(read_conversations(source), Path(dest) / f"{domain}.train.jsonl.gz"))
+    return written
 
 
 def ship_heads(out: str | Path, dest: str | Path, dtype: str = "bfloat16", names: tuple[str, ...] | None = None) -> list[str]:
