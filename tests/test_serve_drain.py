@@ -29,7 +29,7 @@ from taps.data.regenerate import (Endpoint, EndpointError, RegenerateSettings, r
                                   regenerate_endpoint)
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
-from taps.core.target import Target  # noqa: E402
+from taps.core.target import Target, TargetRef  # noqa: E402
 from taps.core.testing import write_tiny_target  # noqa: E402
 from test_features import write_records  # noqa: E402
 from test_serve import MODEL, free_port, metrics, raw  # noqa: E402
@@ -45,7 +45,7 @@ def long_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(long_target):
-    return Engine.load(str(long_target), device="cpu", dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(long_target), "cpu", "float32"), model_id=MODEL)
 
 
 def request(url: str, stream: bool, max_tokens: int = LONG) -> http.client.HTTPConnection:

@@ -47,7 +47,7 @@ from taps.drafter.checkpoint import load_head
 from taps.core.jsonl import JsonlFormatError, append_jsonl, read_jsonl
 from taps.core.outputs import check_output_file
 from taps.propose.single import SingleProposer
-from taps.core.target import Target
+from taps.core.target import TargetRef
 
 
 @dataclass
@@ -138,16 +138,15 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
     return written
 
 
-def regenerate_file(target_spec: str | None, data: str | Path, out: str | Path,
+def regenerate_file(target: TargetRef | None, data: str | Path, out: str | Path,
                     settings: RegenerateSettings = RegenerateSettings(), drafter: str | None = None,
-                    device: str = "auto", dtype: str = "auto", endpoint: str | None = None,
-                    via: "EndpointSettings | None" = None) -> str:
-    """`taps data regenerate`: regenerate() on a target loaded from `target_spec`, speculatively
+                    endpoint: str | None = None, via: "EndpointSettings | None" = None) -> str:
+    """`taps data regenerate`: regenerate() on `target`, loaded here, speculatively
     with the drafter directory `drafter` if given; or, with `endpoint` (a URL) instead of a target,
     regenerate_endpoint() through that server with the options `via`. Returns what was written."""
     via = via or EndpointSettings()
     if endpoint is not None:
-        if target_spec is not None:
+        if target is not None:
             raise ValueError("--target and --endpoint are exclusive: decode here or on the server, not both")
         if drafter:
             raise ValueError("--drafter is for the local path; with --endpoint the server decodes (start it with its "
@@ -160,11 +159,11 @@ def regenerate_file(target_spec: str | None, data: str | Path, out: str | Path,
     if given:
         raise ValueError(f"--{given[0].replace('_', '-')} is for --endpoint; the local path decodes one record at "
                          "a time (or --batch-size)")
-    if target_spec is None:
+    if target is None:
         raise ValueError("name the target: --target DIR (decode here) or --endpoint URL (decode on a server)")
-    target = Target.load(target_spec, device=device, dtype=dtype)
-    proposer = SingleProposer(load_head(drafter, target)) if drafter else None
-    return f"regenerated {regenerate(target, data, out, settings, proposer):,} records into {out}"
+    loaded = target.load()
+    proposer = SingleProposer(load_head(drafter, loaded)) if drafter else None
+    return f"regenerated {regenerate(loaded, data, out, settings, proposer):,} records into {out}"
 
 
 def _first_prompt(record: dict) -> list[dict]:
