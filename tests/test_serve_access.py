@@ -16,7 +16,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from taps.cli.main import main  # noqa: E402
-from taps.data.regenerate import Endpoint, EndpointError, RegenerateSettings, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint, EndpointError  # noqa: E402
 from taps.serve import app as serve_app  # noqa: E402
 from taps.serve import auth  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402

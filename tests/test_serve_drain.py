@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from taps.data import regenerate as regen  # noqa: E402
-from taps.data.regenerate import (Endpoint, EndpointError, RegenerateSettings, regenerate,  # noqa: E402
-                                  regenerate_endpoint)
+from taps.data import regenerate_http as regen  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint, EndpointError  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.core.target import Target, TargetRef  # noqa: E402

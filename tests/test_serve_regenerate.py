@@ -12,7 +12,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from taps.cli.main import main  # noqa: E402
-from taps.data.regenerate import Endpoint, RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.core.target import Target, TargetRef  # noqa: E402

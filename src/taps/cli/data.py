@@ -8,7 +8,8 @@ import argparse
 from taps.cli.args import add_settings, comma_list, device_arg, seed_int, settings_from, target_ref
 from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
-from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
+from taps.data.regenerate import RegenerateSettings, regenerate_file
+from taps.data.regenerate_http import EndpointSettings
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
 from taps.propose.rest import INDEX_DEPTH
 
