@@ -31,7 +31,7 @@ class Generated:
             "verifier_calls": r.verifier_calls,
             "acceptance_length": r.acceptance_length,
             "accepted_per_step": [s.accepted for s in r.steps],
-            "drafter_per_step": [s.source for s in r.steps],
+            "drafter_per_step": [s.credited_drafter for s in r.steps],
             "step_info": infos if any(infos) else None,
             "tokens_per_second": r.tokens_per_second,
             "stop_reason": r.stop_reason,

@@ -98,7 +98,7 @@ def _step_head(step: StepStats, names: Sequence[str]) -> str | None:
     deepest accepted node (None when no draft token was accepted)."""
     index = step.info.route_chosen
     if index is None:
-        index = step.source
+        index = step.credited_drafter
     return names[index] if 0 <= index < len(names) else None
 
 
