@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from taps.cli.args import add_tree_arguments, speculation_from
+from taps.cli.args import add_tree_arguments, speculation_from, target_ref
 from taps.core.jsonl import read_json_lines, write_json_atomic
 
 TASKS = {
@@ -68,8 +68,8 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
     from taps.serve.swap import HeadSwapper
 
     head_dir = str(Path(args.drafters) / args.head)
-    engine = Engine.load(args.target, [(args.head, head_dir)], [f"learning=merge-budget:{args.head},lookup"],
-                         speculation_from(args), device=args.device, dtype=args.dtype, model_id="target")
+    engine = Engine.load(target_ref(args), [(args.head, head_dir)], [f"learning=merge-budget:{args.head},lookup"],
+                         speculation_from(args), model_id="target")
     learner = Learner(learn, engine) if learn is not None else None
     swapper = HeadSwapper(learn, engine, check_after=args.check_after, poll_s=None) if learn is not None else None
     rows, adapted = [], None

@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from taps.cli.args import add_tree_arguments, speculation_from
+from taps.cli.args import add_tree_arguments, speculation_from, target_ref
 from taps.eval.benchmarks import load_benchmark
 
 
@@ -154,8 +154,8 @@ def main() -> int:
         from taps.serve.engine import Engine
 
         torch.set_num_threads(args.threads)
-        engine = Engine.load(args.target, [(h, str(Path(args.drafters) / h)) for h in heads], speculation,
-                             device=args.device, dtype=args.dtype, model_id="target")
+        engine = Engine.load(target_ref(args), [(h, str(Path(args.drafters) / h)) for h in heads], speculation,
+                             model_id="target")
         app = create_app(engine, Limits(max_queue=max(args.clients, args.burst_queue), max_tokens=args.max_tokens))
         stop = serving(app)
         _, url = stop.__enter__()

@@ -149,21 +149,21 @@ def test_noisy_costs_are_made_monotone():
     assert costs.level(8) == 5.0
 
 
-def _chain(tokens, probs, source):
+def _chain(tokens, probs, drafter):
     """A one-path tree under root 0 whose nodes have these confidences."""
     from taps.core.tree import DraftTree
 
     n = len(tokens)
     return DraftTree.drafted(tokens=torch.tensor([0] + tokens), parents=torch.tensor([-1] + list(range(n))),
-                             logp=torch.log(torch.tensor([1.0] + probs)), entropy=torch.zeros(n + 1), drafter=source)
+                             logp=torch.log(torch.tensor([1.0] + probs)), entropy=torch.zeros(n + 1), drafter=drafter)
 
 
 def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay():
     from taps.drafter.auto_tree import merge_budget_by_cost
     from taps.core.tree import merge_budget
 
-    head = _chain([5, 6, 7], [0.9, 0.6, 0.2], source=0)  # sized by the head's own policy: always kept
-    lookup = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], source=1)  # shares node 5 with the head
+    head = _chain([5, 6, 7], [0.9, 0.6, 0.2], drafter=0)  # sized by the head's own policy: always kept
+    lookup = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], drafter=1)  # shares node 5 with the head
     flat = merge_budget_by_cost([head, lookup], 32, AutoTree(FLAT, top_k=4), sized=0b01)
     assert flat.tokens.tolist() == merge_budget([head, lookup], 32).tokens.tolist()  # free nodes: all of them
     # verification that costs 1 ms per tree token past the first: a node pays once its expected

@@ -93,7 +93,7 @@ def test_decoding_learns_to_overrule_an_overconfident_head_and_stays_lossless():
         router = build_proposer("route", members, TREE, granularity="turn")
         confidence_accepted += sum(s.accepted for s in generate(target, router, prompt, cfg).steps)
         assert router.decisions[0].chosen == 0
-        bandit = BanditRouter([SingleProposer(heads[n], TREE, source=i) for i, n in enumerate(names)], state,
+        bandit = BanditRouter([SingleProposer(heads[n], TREE, drafter=i) for i, n in enumerate(names)], state,
                               per_turn=True, names=names)
         result = generate(target, bandit, prompt, cfg)
         assert result.tokens == hf_greedy(model, prompt, 24)

@@ -66,7 +66,7 @@ def head_set(heads, n):
 
 
 def step_tuple(result):
-    return [(s.accepted, s.emitted, s.tree_size, s.source) for s in result.steps]
+    return [(s.accepted, s.emitted, s.tree_size, s.credited_drafter) for s in result.steps]
 
 
 # ---- greedy losslessness, every strategy and mode ---------------------------------------------------
@@ -89,8 +89,8 @@ def test_greedy_lossless(arch, n, spec):
         assert len(proposer.decisions) == (1 if per_turn else len(result.steps))
         for step, stats in enumerate(result.steps):
             assert stats.tree_size <= TREE.total_tokens
-            if stats.accepted:  # StepStats.source names the routed drafter
-                assert stats.source == proposer.chosen[step]
+            if stats.accepted:  # StepStats.credited_drafter names the routed drafter
+                assert stats.credited_drafter == proposer.chosen[step]
         for d in proposer.decisions:
             assert len(d.scores) == n and d.signal == SPECS[spec]["signal"]
             assert d.chosen == CONFIDENCE.choose(d.scores) if d.signal in ("confidence", "bandit") else \
@@ -109,8 +109,8 @@ def test_greedy_lossless(arch, n, spec):
             else:
                 assert record.merged_size <= TREE.total_tokens
             assert stats.tree_size <= record.merged_size
-            if record.accepted_sources is not None and stats.accepted:
-                assert record.accepted_sources >> stats.source & 1  # the credited drafter did propose it
+            if record.accepted_drafters is not None and stats.accepted:
+                assert record.accepted_drafters >> stats.credited_drafter & 1  # the credited drafter did propose it
 
 
 # ---- partial acceptance from several drafters: noisy oracles ----------------------------------------
@@ -170,9 +170,9 @@ def test_partial_acceptance_from_several_drafters_is_lossless(arch, composer):
     assert len({s.accepted for s in result.steps}) >= 3  # partial acceptance of varied lengths
     if composer == "route":
         assert {1, 2} <= set(proposer.chosen)  # it did switch between drafters
-        assert all(s.source == c for s, c in zip(result.steps, proposer.chosen) if s.accepted)
+        assert all(s.credited_drafter == c for s, c in zip(result.steps, proposer.chosen) if s.accepted)
     else:
-        credited = [s.source for s in result.steps if s.accepted]
+        credited = [s.credited_drafter for s in result.steps if s.accepted]
         assert set(credited) <= {0, 1, 2} and len(set(credited)) >= 2 - (composer == "merge-budget")
         if composer == "merge-budget":
             assert all(s.tree_size <= 8 for s in result.steps)
@@ -210,8 +210,8 @@ def test_reduced_and_full_heads_compose_losslessly(arch, spec):
         at = 1  # tokens[0] comes from the prefill; each step emits its accepted drafts, then a bonus
         for stats in result.steps:
             if stats.accepted:
-                accepted[stats.source] += stats.accepted
-            if stats.source == 1:  # a path ending at a node of the reduced head's tree: its target ids
+                accepted[stats.credited_drafter] += stats.accepted
+            if stats.credited_drafter == 1:  # a path ending at a node of the reduced head's tree: its target ids
                 assert set(result.tokens[at:at + stats.accepted]) <= set(ids.tolist())
             at += stats.emitted
     assert accepted[0] > 0 if spec == "average" else accepted[1] > 0
@@ -267,7 +267,7 @@ def test_far_more_confident_head_is_routed(signal, sharp_first):
             better = d.scores[sharp] > d.scores[other] if signal == "confidence" else d.scores[sharp] < d.scores[other]
             assert better
     # the step stats agree: any accepted draft came from the routed head
-    assert all(s.source == proposer.chosen[k] for k, s in enumerate(result.steps) if s.accepted)
+    assert all(s.credited_drafter == proposer.chosen[k] for k, s in enumerate(result.steps) if s.accepted)
     assert proposer.step_info().route_chosen == proposer.chosen[-1]
     assert proposer.step_info().route_scores == proposer.decisions[-1].scores
 

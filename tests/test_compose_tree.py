@@ -16,12 +16,12 @@ from taps.core.verify import target_probs, verify_greedy, verify_sampling
 V = 12
 
 
-def tree_of(parents, tokens, logp=None, entropy=None, source=0):
+def tree_of(parents, tokens, logp=None, entropy=None, drafter=0):
     n = len(parents)
     logp = torch.tensor(logp, dtype=torch.float) if logp is not None else -0.1 * torch.arange(n, dtype=torch.float)
     entropy = torch.tensor(entropy, dtype=torch.float) if entropy is not None else torch.zeros(n)
     return DraftTree.drafted(tokens=torch.tensor(tokens), parents=torch.tensor(parents), logp=logp, entropy=entropy,
-                             drafter=source)
+                             drafter=drafter)
 
 
 def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
@@ -32,9 +32,9 @@ def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
 
 # A: 0(t1) -> 1(t5) -> 3(t3)      B: 0(t1) -> 1(t5) -> 2(t8)
 #          -> 2(t6)                        -> 3(t9) -> 4(t3)
-A = tree_of([-1, 0, 0, 1], [1, 5, 6, 3], logp=[0, -0.2, -1.0, -0.5], entropy=[0, 1.0, 1.0, 2.0], source=0)
+A = tree_of([-1, 0, 0, 1], [1, 5, 6, 3], logp=[0, -0.2, -1.0, -0.5], entropy=[0, 1.0, 1.0, 2.0], drafter=0)
 B = tree_of([-1, 0, 1, 0, 3], [1, 5, 8, 9, 3], logp=[0, -0.1, -0.7, -0.9, -1.5], entropy=[0, 0.5, 0.7, 0.5, 0.6],
-            source=1)
+            drafter=1)
 
 
 # ---- disjoint ------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_roots_must_agree():
         merge_disjoint([])
 
 
-def random_tree(g: torch.Generator, root: int, n: int, vocab: int, source: int) -> DraftTree:
+def random_tree(g: torch.Generator, root: int, n: int, vocab: int, drafter: int) -> DraftTree:
     """A random tree with non-increasing scores along paths (like EAGLE-2's) and few distinct
     tokens, so different trees often propose the same token paths."""
     parents, logp = [-1], [0.0]
@@ -115,7 +115,7 @@ def random_tree(g: torch.Generator, root: int, n: int, vocab: int, source: int) 
         logp.append(logp[p] - float(torch.rand((), generator=g)) * 2)
     tokens = [root] + torch.randint(0, vocab, (n - 1,), generator=g).tolist()
     entropy = [0.0] + (torch.rand(n - 1, generator=g) * 3).tolist()
-    return tree_of(parents, tokens, logp=logp, entropy=entropy, source=source)
+    return tree_of(parents, tokens, logp=logp, entropy=entropy, drafter=drafter)
 
 
 def best_scores(tree: DraftTree) -> dict[tuple[int, ...], float]:
@@ -243,8 +243,8 @@ def empirical(values):
 
 
 # two drafters that both propose 5 then 3 under the root, and disagree elsewhere
-SA = tree_of([-1, 0, 1, 0, 2], [1, 5, 3, 6, 7], logp=[0, -0.2, -0.5, -1.0, -0.9], source=0)
-SB = tree_of([-1, 0, 1, 0, 1], [1, 5, 3, 9, 0], logp=[0, -0.3, -0.4, -0.6, -0.8], source=1)
+SA = tree_of([-1, 0, 1, 0, 2], [1, 5, 3, 6, 7], logp=[0, -0.2, -0.5, -1.0, -0.9], drafter=0)
+SB = tree_of([-1, 0, 1, 0, 1], [1, 5, 3, 9, 0], logp=[0, -0.3, -0.4, -0.6, -0.8], drafter=1)
 MERGES = {"disjoint": lambda ts: merge_disjoint(ts), "trie": lambda ts: merge_trie(ts),
           "budget": lambda ts: merge_budget(ts, 6)}
 
@@ -285,7 +285,7 @@ def test_token_proposed_by_two_drafters_is_tried_once(mode):
     # p(5) = p(6) = 0.5 at the root; both drafters propose 5. Trying it twice would accept it ~75%.
     table = torch.full((V, V), -30.0)
     table[1, 5] = table[1, 6] = 0.0
-    tree = MERGES[mode]([tree_of([-1, 0], [1, 5], source=0), tree_of([-1, 0], [1, 5], source=1)])
+    tree = MERGES[mode]([tree_of([-1, 0], [1, 5], drafter=0), tree_of([-1, 0], [1, 5], drafter=1)])
     gen = torch.Generator().manual_seed(1)
     logits = table[tree.tokens]
     n = 4000

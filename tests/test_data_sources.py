@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from taps.data.sources import (DataFormatError, SourceSpecError, english_only, is_english, load_source,
-                               read_alpaca, read_gsm8k, read_mathinstruct, read_messages, read_sharegpt)
+from taps.data.english import english_only, is_english
+from taps.data.sources import (DataFormatError, SourceSpecError, load_source, read_alpaca, read_gsm8k,
+                               read_mathinstruct, read_messages, read_sharegpt)
 
 SHARED_DATA = Path(os.environ.get("TAPS_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 

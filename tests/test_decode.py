@@ -286,7 +286,7 @@ def test_step_stats_and_time_split():
     result = generate(target, CallbackProposer(oracle_chain(reference, 3)), prompt, DecodeConfig(max_new_tokens=NEW))
     assert sum(s.emitted for s in result.steps) + 1 == len(result.tokens)
     assert result.acceptance_length == len(result.tokens) / result.verifier_calls
-    assert all(s.source == 0 for s in result.steps if s.accepted)
+    assert all(s.credited_drafter == 0 for s in result.steps if s.accepted)
     split = result.time_split()
     assert set(split) == {"prefill_s", "draft_s", "target_s", "other_s"}
     assert all(v >= 0 for v in split.values()) and sum(split.values()) <= result.total_s + 1e-6

@@ -355,7 +355,7 @@ def test_routing_shares_of_a_real_routed_decode():
     model = cached_model("llama")
     target = Target(model)
     heads = [init_head(model.config, seed=s).bind(target.embed_tokens, target.lm_head) for s in (3, 4)]
-    router = RoutedProposer([SingleProposer(h, TreeConfig(12, 3, 3), source=i) for i, h in enumerate(heads)],
+    router = RoutedProposer([SingleProposer(h, TreeConfig(12, 3, 3), drafter=i) for i, h in enumerate(heads)],
                             names=["math", "chat"])
     result = generate(target, router, prompts(1, seed=5)[0], DecodeConfig(max_new_tokens=24))
     record = turn_record(result, TurnIdentity(variant="routed", bench="mt_bench", question_id="81", turn=0,

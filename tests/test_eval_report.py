@@ -17,8 +17,10 @@ from taps.eval import records as rec_mod
 from taps.eval.benchmarks import Question
 from taps.eval.records import ENTROPY_BINS, check_record
 from taps.cli.eval import register_report as register
-from taps.eval.report import (ReportError, Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table,
-                              table1, table2, terminal_summary, write_report)
+from taps.eval.figures import ReportError
+from taps.eval.report import terminal_summary, write_report
+from taps.eval.tables import (Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table, table1,
+                              table2)
 from taps.eval.runner import EvalSettings, run_eval
 from taps.propose.spec import parse_variant
 from taps.core.target import Target
@@ -242,7 +244,7 @@ def test_every_file_of_a_real_run(tiny_run, tmp_path, capsys):
 
 
 def test_lambda_sweep_ends_at_the_members_alone(tiny_run):
-    from taps.eval.report import lambda_sweeps
+    from taps.eval.figures import lambda_sweeps
 
     run = load_run(tiny_run)
     assert lambda_sweeps(run) == [[(0.0, "hass-chat"), (0.1, "hass-avg-0.1"), (0.5, "hass-avg-0.5"),

@@ -54,7 +54,7 @@ def sequential_scores(head, ctx, tree, node):
 @pytest.mark.parametrize("cfg", [TreeConfig(60, 5, 10), TreeConfig(20, 4, 3), TreeConfig(12, 6, 1), TreeConfig(2, 1, 10)])
 def test_tree_shape_rules(cfg):
     _, head, ctx = setup()
-    tree = expand_tree(head, ctx, cfg, source=4)
+    tree = expand_tree(head, ctx, cfg, drafter=4)
     assert tree.size <= cfg.total_tokens
     assert int(tree.tokens[0]) == ctx.root_token == 42
     assert int(tree.depth().max()) <= cfg.depth

@@ -30,7 +30,7 @@ from taps.drafter.fit import fit_linear_head, greedy_sequences  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import parse  # noqa: E402
-from taps.core.target import Target  # noqa: E402
+from taps.core.target import Target, TargetRef  # noqa: E402
 from taps.core.testing import write_tiny_target  # noqa: E402
 
 MODEL = "tiny"
@@ -61,9 +61,9 @@ def fitted_heads(target_dir: Path, out: Path) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def served(target_dir, tmp_path_factory):
     heads = fitted_heads(target_dir, tmp_path_factory.mktemp("heads"))
-    engine = Engine.load(str(target_dir), heads, ["pair=merge-trie:a,b", "learned=route-bandit-turn:a,b"],
-                         SpeculationConfig(TreeConfig(16, 4, 4)), device="cpu",
-                         dtype="float32", model_id=MODEL)
+    engine = Engine.load(TargetRef(str(target_dir), "cpu", "float32"), heads,
+                         ["pair=merge-trie:a,b", "learned=route-bandit-turn:a,b"],
+                         SpeculationConfig(TreeConfig(16, 4, 4)), model_id=MODEL)
     with serving(create_app(engine, Limits(max_queue=4, max_tokens=64))) as (_, url):
         yield {"url": url, "target": str(target_dir), "heads": dict(heads),
                "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)}
@@ -322,7 +322,7 @@ def long_target(tmp_path_factory):
 
 
 def test_full_queue_answers_429_and_a_client_gone_frees_the_decoder(long_target):
-    engine = Engine.load(str(long_target), device="cpu", dtype="float32", model_id=MODEL)
+    engine = Engine.load(TargetRef(str(long_target), "cpu", "float32"), model_id=MODEL)
     with serving(create_app(engine, Limits(max_queue=0, max_tokens=2000))) as (_, url):
         host, port = url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=60)

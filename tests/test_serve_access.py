@@ -16,10 +16,12 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from taps.cli.main import main  # noqa: E402
-from taps.data.regenerate import Endpoint, EndpointError, RegenerateSettings, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint, EndpointError  # noqa: E402
 from taps.serve import app as serve_app  # noqa: E402
 from taps.serve import auth  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402
+from taps.core.target import TargetRef  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.launch import ServeSettings, serve  # noqa: E402
 from test_features import write_records  # noqa: E402
@@ -31,7 +33,7 @@ CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"
 
 @pytest.fixture(scope="module")
 def engine(target_dir):
-    return Engine.load(str(target_dir), device="cpu", dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(target_dir), "cpu", "float32"), model_id=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,7 @@ def launched(monkeypatch, target_dir, capsys, **settings) -> tuple[dict, str]:
     monkeypatch.setattr(serve_app, "run", lambda app, *args, **kwargs: given.update(app=app, args=args))
     # nothing is bound here: an address of another machine (192.168.1.7) must still reach the warning
     monkeypatch.setattr("taps.serve.launch.check_address", lambda host, port: None)
-    serve(str(target_dir), settings=ServeSettings(**settings), device="cpu", dtype="float32",
-          announce=lambda line: None)
+    serve(TargetRef(str(target_dir), "cpu", "float32"), settings=ServeSettings(**settings), announce=lambda line: None)
     return given, capsys.readouterr().err
 
 
@@ -141,4 +142,4 @@ def test_models_shows_the_short_name_of_the_target(monkeypatch, target_dir, caps
         assert status == 200 and model["id"] == Path(target_dir).name and "/" not in model["id"]
         body = json.dumps({"model": model["id"], "prompt": "a", "max_tokens": 2}).encode()
         assert raw(url, "POST", "/v1/completions", body)[0] == 200
-    assert Engine.load(str(target_dir) + "/", device="cpu", dtype="float32").model_id == Path(target_dir).name
+    assert Engine.load(TargetRef(str(target_dir) + "/", "cpu", "float32")).model_id == Path(target_dir).name

@@ -17,6 +17,7 @@ from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import WEIGHTS_NAME, write_untrained  # noqa: E402
 from taps.core.identity import file_sha256  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
+from taps.core.target import TargetRef  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.learn import Learner  # noqa: E402
 from taps.serve.swap import HEADS_DIR  # noqa: E402
@@ -31,8 +32,8 @@ def logged(target_dir, tmp_path_factory):
     """A --learn directory after 30 served answers; the head served as `a` is an untrained one."""
     base = write_untrained(target_dir, tmp_path_factory.mktemp("base") / "a", seed=3)
     root = tmp_path_factory.mktemp("learn")
-    engine = Engine.load(str(target_dir), [("a", str(base))], [], SpeculationConfig(TreeConfig(16, 4, 4)),
-                         device="cpu", dtype="float32", model_id=MODEL)
+    engine = Engine.load(TargetRef(str(target_dir), "cpu", "float32"), [("a", str(base))], [],
+                         SpeculationConfig(TreeConfig(16, 4, 4)), model_id=MODEL)
     learner = Learner(root, engine)
     with serving(create_app(engine, Limits(max_tokens=64), learner=learner)) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)

@@ -24,12 +24,12 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from taps.data import regenerate as regen  # noqa: E402
-from taps.data.regenerate import (Endpoint, EndpointError, RegenerateSettings, regenerate,  # noqa: E402
-                                  regenerate_endpoint)
+from taps.data import regenerate_http as regen  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint, EndpointError  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
-from taps.core.target import Target  # noqa: E402
+from taps.core.target import Target, TargetRef  # noqa: E402
 from taps.core.testing import write_tiny_target  # noqa: E402
 from test_features import write_records  # noqa: E402
 from test_serve import MODEL, free_port, metrics, raw  # noqa: E402
@@ -45,7 +45,7 @@ def long_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(long_target):
-    return Engine.load(str(long_target), device="cpu", dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(long_target), "cpu", "float32"), model_id=MODEL)
 
 
 def request(url: str, stream: bool, max_tokens: int = LONG) -> http.client.HTTPConnection:

@@ -22,6 +22,7 @@ pytest.importorskip("uvicorn")
 from taps.drafter.checkpoint import write_untrained  # noqa: E402
 from taps.serve.admission import Scheduler  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
+from taps.core.target import TargetRef  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import Metrics, parse  # noqa: E402
 from taps.serve.protocol import RequestError  # noqa: E402
@@ -34,7 +35,7 @@ HUGE = 200 << 20  # bytes a hostile client claims to send
 def engine(target_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
     heads = [(name, str(write_untrained(target_dir, root / name, seed=seed))) for name, seed in (("a", 0), ("b", 1))]
-    return Engine.load(str(target_dir), heads, device="cpu", dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(target_dir), "cpu", "float32"), heads, model_id=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from taps.propose.lookup import LookupSpec  # noqa: E402
 from taps.propose.spec import LOOKUP  # noqa: E402
 from taps.serve.answer_log import AnswerLog, log_files, read_log  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
+from taps.core.target import TargetRef  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.learn import Learner  # noqa: E402
 from taps.serve.online_store import STORE_DIR  # noqa: E402
@@ -30,8 +31,8 @@ QUESTIONS = ["Write a short poem about the sea.", "List three colours.", "What i
 
 
 def engine_of(target_dir) -> Engine:
-    return Engine.load(str(target_dir), (), ["lookup"], SpeculationConfig(TreeConfig(16, 4, 4)), device="cpu",
-                       dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(target_dir), "cpu", "float32"), (), ["lookup"],
+                       SpeculationConfig(TreeConfig(16, 4, 4)), model_id=MODEL)
 
 
 def ask(client, question: str, variant: str = "lookup", learn: bool | None = None, max_tokens: int = 40):

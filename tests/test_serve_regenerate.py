@@ -12,10 +12,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from taps.cli.main import main  # noqa: E402
-from taps.data.regenerate import Endpoint, RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate import RegenerateSettings, regenerate, regenerate_endpoint  # noqa: E402
+from taps.data.regenerate_http import Endpoint  # noqa: E402
 from taps.serve.app import create_app, serving  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
-from taps.core.target import Target  # noqa: E402
+from taps.core.target import Target, TargetRef  # noqa: E402
 from test_features import write_records  # noqa: E402
 from test_serve import MODEL  # noqa: E402
 
@@ -24,7 +25,7 @@ SETTINGS = RegenerateSettings(max_new_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine(target_dir):
-    return Engine.load(str(target_dir), device="cpu", dtype="float32", model_id=MODEL)
+    return Engine.load(TargetRef(str(target_dir), "cpu", "float32"), model_id=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from test_serve import fitted_heads, raw  # noqa: E402
 from taps.core.config import SpeculationConfig, TreeConfig  # noqa: E402
 from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, write_untrained  # noqa: E402
 from taps.serve.app import Limits, create_app, serving  # noqa: E402
+from taps.core.target import TargetRef  # noqa: E402
 from taps.serve.engine import Engine  # noqa: E402
 from taps.serve.metrics import parse  # noqa: E402
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, HeadSwapper  # noqa: E402
@@ -45,8 +46,8 @@ def setup(target_dir, tmp_path_factory):
 
 
 def served(target_dir, root, heads, check_after: int, poll_s=None):
-    engine = Engine.load(str(target_dir), [("a", heads["a"])], [], SpeculationConfig(TreeConfig(16, 4, 4)),
-                         device="cpu", dtype="float32", model_id=MODEL)
+    engine = Engine.load(TargetRef(str(target_dir), "cpu", "float32"), [("a", heads["a"])], [],
+                         SpeculationConfig(TreeConfig(16, 4, 4)), model_id=MODEL)
     swapper = HeadSwapper(root, engine, check_after=check_after, poll_s=poll_s)
     return engine, swapper, create_app(engine, Limits(max_tokens=64), swapper=swapper)
 

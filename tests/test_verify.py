@@ -16,12 +16,12 @@ from taps.core.verify import target_probs, verify_greedy, verify_sampling
 V = 12
 
 
-def tree_of(parents, tokens, logp=None, source=None):
+def tree_of(parents, tokens, logp=None, drafter=None):
     n = len(parents)
-    source = torch.tensor(source) if source else torch.tensor([-1] + [0] * (n - 1))
+    drafter = torch.tensor(drafter) if drafter else torch.tensor([-1] + [0] * (n - 1))
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
                      logp=torch.tensor(logp, dtype=torch.float) if logp else -torch.arange(n, dtype=torch.float),
-                     entropy=torch.zeros(n), sources=drafter_bits(source))
+                     entropy=torch.zeros(n), sources=drafter_bits(drafter))
 
 
 def one_hot_logits(argmaxes, vocab=V):
@@ -51,14 +51,14 @@ def test_greedy_rejects_at_root():
 
 def test_greedy_duplicate_tokens_take_longest_match():
     # Two drafters proposed token 2 under the root (nodes 1 and 3); only node 3's child matches.
-    tree = tree_of([-1, 0, 1, 0, 3], [1, 2, 8, 2, 4], source=[-1, 0, 0, 1, 1])
+    tree = tree_of([-1, 0, 1, 0, 3], [1, 2, 8, 2, 4], drafter=[-1, 0, 0, 1, 1])
     logits = one_hot_logits([2, 4, 0, 4, 11])
     acc = verify_greedy(tree, logits)
     assert acc.nodes.tolist() == [0, 3, 4] and acc.bonus == 11
 
 
 def test_greedy_tie_goes_to_first_tree():
-    tree = tree_of([-1, 0, 0], [1, 2, 2], source=[-1, 0, 1])
+    tree = tree_of([-1, 0, 0], [1, 2, 2], drafter=[-1, 0, 1])
     acc = verify_greedy(tree, one_hot_logits([2, 5, 5]))
     assert acc.nodes.tolist() == [0, 1] and acc.bonus == 5
 
@@ -95,7 +95,7 @@ TREES = {
     "chain": tree_of([-1, 0, 1, 2], [1, 4, 7, 2]),
     # wide, with token 5 proposed twice under the root and children under both copies
     "duplicates": tree_of([-1, 0, 0, 0, 0, 1, 3, 2], [1, 5, 6, 5, 9, 3, 8, 0],
-                          logp=[0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7], source=[-1, 0, 0, 1, 1, 0, 1, 0]),
+                          logp=[0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7], drafter=[-1, 0, 0, 1, 1, 0, 1, 0]),
     # deep and bushy
     "bushy": tree_of([-1, 0, 0, 1, 1, 2, 3, 3, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9]),
 }
@@ -151,7 +151,7 @@ def test_duplicate_tokens_are_tried_once():
     table = torch.full((V, V), -30.0)
     table[1, 5] = 0.0
     table[1, 6] = 0.0
-    tree = tree_of([-1, 0, 0], [1, 5, 5], source=[-1, 0, 1])
+    tree = tree_of([-1, 0, 0], [1, 5, 5], drafter=[-1, 0, 1])
     steps = sample_steps(tree, table, SamplingConfig(1.0), 8000)
     share = sum(s[0] == 5 for s in steps) / len(steps)
     assert abs(share - 0.5) < 0.03

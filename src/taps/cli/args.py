@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from taps.core.config import AUTO_TREE_CAPS, DEVICE_PATTERN, FIXED_TREE, SEED_LIMIT, TREE_MODES, SpeculationConfig
+from taps.core.target import TargetRef
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -103,6 +104,19 @@ def add_device_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bf16 on GPUs; on a CPU the faster of bf16 and float32 for a verify step, measured "
                         "once and cached (exact greedy identity needs float32)")
+
+
+def add_attn_argument(p) -> None:
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
+
+
+def target_ref(args, **fixed) -> TargetRef:
+    """The target a command names, as the TargetRef its library call loads: --target, and those of
+    --device, --dtype, --attn and --trust-remote-code the command has; `fixed` sets the fields it
+    has no option for (or whose option is named otherwise, such as `taps features --target-dtype`)."""
+    given = {name: getattr(args, name) for name in ("device", "dtype", "attn", "trust_remote_code")
+             if hasattr(args, name)}
+    return TargetRef(args.target, **{**given, **fixed})
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

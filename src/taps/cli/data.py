@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli.args import add_settings, comma_list, device_arg, seed_int, settings_from
+from taps.cli.args import add_settings, comma_list, device_arg, seed_int, settings_from, target_ref
 from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
-from taps.data.regenerate import EndpointSettings, RegenerateSettings, regenerate_file
+from taps.data.regenerate import RegenerateSettings, regenerate_file
+from taps.data.regenerate_http import EndpointSettings
 from taps.data.sources import DATA_DIR_ENV, SPEC_HELP
 from taps.propose.rest import INDEX_DEPTH
 
@@ -53,8 +54,9 @@ def _mix(args: argparse.Namespace) -> int:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    print(regenerate_file(args.target, args.data, args.out, settings_from(RegenerateSettings, args), args.drafter,
-                          args.device, args.dtype, endpoint=args.endpoint, via=settings_from(EndpointSettings, args)))
+    target = target_ref(args) if args.target is not None else None
+    print(regenerate_file(target, args.data, args.out, settings_from(RegenerateSettings, args), args.drafter,
+                          endpoint=args.endpoint, via=settings_from(EndpointSettings, args)))
     return 0
 
 

@@ -11,14 +11,13 @@ import argparse
 import os
 
 from taps.cli.args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, finite_float,
-                           number_list, positive_int, seed_int, speculation_from)
+                           number_list, positive_int, seed_int, speculation_from, target_ref)
 from taps.core.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
 from taps.eval.runner import EvalSettings, eval_benchmarks
 from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
 from taps.study import DemoSettings, reproduce, run_demo
-from taps.core.target import TargetRef
 
 
 def _variant(text: str):
@@ -69,7 +68,7 @@ def _eval(args) -> int:
     settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             speculation=speculation_from(args), top_p=args.top_p)
     questions = load_questions(args.bench, args.data_dir, args.limit, args.category)
-    print(eval_benchmarks(TargetRef(args.target, args.device, args.dtype), args.variant, questions, args.out, settings,
+    print(eval_benchmarks(target_ref(args), args.variant, questions, args.out, settings,
                           args.jobs, progress=not args.no_progress))
     return 0
 

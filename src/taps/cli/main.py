@@ -14,8 +14,9 @@ import sys
 
 from safetensors import SafetensorError
 
-from taps.cli.args import (DefaultsHelpFormatter, add_device_arguments, add_tree_arguments, comma_list, finite_float,
-                           non_negative_float, number_list, positive_int, seed_int, speculation_from)
+from taps.cli.args import (DefaultsHelpFormatter, add_attn_argument, add_device_arguments, add_tree_arguments,
+                           comma_list, finite_float, non_negative_float, number_list, positive_int, seed_int,
+                           speculation_from, target_ref)
 from taps.core.config import DecodeConfig, SamplingConfig
 from taps.cli import data as data_commands
 from taps.core.decode import ContextWindowError
@@ -28,7 +29,6 @@ from taps.drafter.profile import profile_report
 from taps.cli import propose as propose_commands
 from taps.propose.generate import generate_prompt
 from taps.cli import serve as serve_commands
-from taps.core.target import TargetRef
 from taps.core.targets import convert_target
 from taps.cli import train as train_commands
 from taps.train.draft_vocab import reduce_vocab
@@ -68,7 +68,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=seed_int, default=0)
     add_tree_arguments(p)
     add_device_arguments(p)
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="target attention implementation")
+    add_attn_argument(p)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     propose_commands.add_strategy_arguments(p)
@@ -77,9 +77,8 @@ def _add_generate(sub) -> None:
 
 def _generate(args) -> int:
     spec = propose_commands.composition(args)
-    out = generate_prompt(TargetRef(args.target, args.device, args.dtype, args.attn, args.trust_remote_code), spec,
-                          args.prompt if args.prompt_ids is None else args.prompt_ids, raw=args.raw,
-                          speculation=speculation_from(args),
+    out = generate_prompt(target_ref(args), spec, args.prompt if args.prompt_ids is None else args.prompt_ids,
+                          raw=args.raw, speculation=speculation_from(args),
                           decode=DecodeConfig(args.max_new_tokens, seed=args.seed,
                                               sampling=SamplingConfig(args.temperature, args.top_p, args.sample_top_k)))
     if args.json:
@@ -132,8 +131,8 @@ def _add_drafter(sub) -> None:
 
 
 def _drafter_table(args) -> int:
-    print(table_of_directory(args.target, args.drafters, args.out, args.data_dir, args.n, args.temperatures,
-                             args.max_new_tokens, args.jobs, args.dtype))
+    print(table_of_directory(target_ref(args, device="cpu"), args.drafters, args.out, args.data_dir, args.n,
+                             args.temperatures, args.max_new_tokens, args.jobs))
     return 0
 
 
@@ -183,7 +182,7 @@ def _add_profile(sub) -> None:
 
 
 def _profile(args) -> int:
-    print(profile_report(args.target, args.drafter, args.threads, args.repeats, args.measure, args.device, args.dtype))
+    print(profile_report(target_ref(args), args.drafter, args.threads, args.repeats, args.measure))
     return 0
 
 

@@ -8,8 +8,8 @@ FastAPI app of taps.serve.app).
 
 from __future__ import annotations
 
-from taps.cli.args import (DefaultsHelpFormatter, add_device_arguments, add_settings, add_tree_arguments, device_arg,
-                           settings_from, speculation_from)
+from taps.cli.args import (DefaultsHelpFormatter, add_attn_argument, add_device_arguments, add_settings,
+                           add_tree_arguments, device_arg, settings_from, speculation_from, target_ref)
 from taps.cli.propose import parse_named_drafter
 from taps.serve.adapt import AdaptSettings, adapt
 from taps.serve.launch import ServeSettings, serve
@@ -29,6 +29,7 @@ def register(sub) -> None:
     add_settings(p, ServeSettings)
     add_tree_arguments(p)
     add_device_arguments(p)
+    add_attn_argument(p)
     p.set_defaults(func=_serve)
 
     a = sub.add_parser("adapt", help="fine-tune a served head on the answers `taps serve --learn DIR` logged; write "
@@ -49,13 +50,12 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    serve(args.target, args.drafter or [], args.variant or [], settings_from(ServeSettings, args),
-          speculation_from(args), device=args.device, dtype=args.dtype,
-          announce=lambda line: print(line, flush=True))
+    serve(target_ref(args), args.drafter or [], args.variant or [], settings_from(ServeSettings, args),
+          speculation_from(args), announce=lambda line: print(line, flush=True))
     return 0
 
 
 def _adapt(args) -> int:
-    print(adapt(args.dir, args.head, args.target, args.base, settings_from(AdaptSettings, args), args.mix,
-                device=args.device, say=lambda line: print(line, flush=True)))
+    print(adapt(args.dir, args.head, target_ref(args), args.base, settings_from(AdaptSettings, args),
+                args.mix, say=lambda line: print(line, flush=True)))
     return 0

@@ -4,7 +4,7 @@ TrainConfig: config.setting fields)."""
 
 from __future__ import annotations
 
-from taps.cli.args import DefaultsHelpFormatter, add_settings, device_arg, settings_from
+from taps.cli.args import DefaultsHelpFormatter, add_settings, device_arg, settings_from, target_ref
 from taps.data.features import FeatureSettings, features_of
 from taps.train.trainer import TrainConfig, train_drafter
 
@@ -35,8 +35,8 @@ def register(sub) -> None:
 
 
 def _features(args) -> int:
-    print(features_of(args.target, args.data, args.out, settings_from(FeatureSettings, args), args.device,
-                      args.target_dtype))
+    print(features_of(target_ref(args, dtype=args.target_dtype), args.data, args.out,
+                      settings_from(FeatureSettings, args)))
     return 0
 
 

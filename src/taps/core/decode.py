@@ -44,11 +44,11 @@ class StepStats:
     accepted: int  # accepted draft tokens (bonus excluded) this verifier call
     emitted: int  # tokens this step added to the output (accepted + bonus, after stop/budget cuts)
     tree_size: int  # nodes verified, root included
-    source: int  # DraftTree.credited() of the deepest accepted node; -1 if no draft token was accepted
+    credited_drafter: int  # DraftTree.credited() of the deepest accepted node; -1 if no draft token was accepted
     draft_s: float  # proposing this tree + consuming the previous step's features
     target_s: float  # the target's tree forward
     other_s: float  # verification, commit, bookkeeping
-    sources: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
+    drafters: int = 0  # bitmask of every drafter that proposed the deepest accepted node (merged trees)
     info: StepInfo = field(default_factory=StepInfo)  # the proposer's own record of this step (e.g. routing scores)
     trace: StepTrace | None = None  # node confidences and entropies, when DecodeConfig.trace is set
 
@@ -58,8 +58,8 @@ class StepStats:
         """The record of one verified tree: provenance from the deepest accepted node's drafters."""
         deepest, drafted = int(acc.nodes[-1]), acc.accepted > 0
         return cls(accepted=acc.accepted, emitted=emitted, tree_size=tree.size,
-                   source=tree.credited(deepest) if drafted else -1, draft_s=draft_s, target_s=target_s,
-                   other_s=other_s, sources=int(tree.sources[deepest]) if drafted else 0, info=info, trace=trace)
+                   credited_drafter=tree.credited(deepest) if drafted else -1, draft_s=draft_s, target_s=target_s,
+                   other_s=other_s, drafters=int(tree.sources[deepest]) if drafted else 0, info=info, trace=trace)
 
 
 @dataclass

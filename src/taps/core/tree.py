@@ -49,9 +49,9 @@ class DraftTree:
     @classmethod
     def drafted(cls, tokens: Tensor, parents: Tensor, logp: Tensor, entropy: Tensor, drafter: int) -> "DraftTree":
         """One drafter's tree: every node below the root proposed by `drafter` (-1: none, a root-only tree)."""
-        source = torch.full_like(parents, drafter)
-        source[0] = -1
-        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, sources=drafter_bits(source))
+        per_node = torch.full_like(parents, drafter)
+        per_node[0] = -1
+        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, sources=drafter_bits(per_node))
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -197,9 +197,9 @@ class TokenPaths:
         return states
 
 
-def drafter_bits(source: Tensor) -> Tensor:
-    """[N] long bitmask of one drafter per node: bit source[i] (0 where source is -1, the root)."""
-    return torch.where(source >= 0, 1 << source.clamp(min=0), torch.zeros_like(source))
+def drafter_bits(drafter: Tensor) -> Tensor:
+    """[N] long bitmask of one drafter per node: bit drafter[i] (0 where drafter is -1, the root)."""
+    return torch.where(drafter >= 0, 1 << drafter.clamp(min=0), torch.zeros_like(drafter))
 
 
 # ---- merging the trees of several drafters (docs/spec.md §4, merges) ----

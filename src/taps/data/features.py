@@ -38,7 +38,7 @@ from taps.core.identity import MismatchError, check_same, file_sha256
 from taps.core.jsonl import read_json, read_json_lines, write_json_atomic
 from taps.core.outlock import output_lock
 from taps.core.outputs import check_output_dir
-from taps.core.target import Target
+from taps.core.target import TargetRef
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -140,10 +140,10 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def features_of(target_spec: str, data: str | Path, out: str | Path, settings: FeatureSettings = FeatureSettings(),
-                device: str = "auto", target_dtype: str = "auto") -> str:
-    """`taps features`: extract_features with a target loaded from `target_spec`; returns a summary."""
-    manifest = extract_features(Target.load(target_spec, device=device, dtype=target_dtype), data, out, settings)
+def features_of(target: TargetRef, data: str | Path, out: str | Path,
+                settings: FeatureSettings = FeatureSettings()) -> str:
+    """`taps features`: extract_features with `target` loaded; returns a summary."""
+    manifest = extract_features(target.load(), data, out, settings)
     return (f"features: {manifest['records_done']} records, {manifest['tokens']:,} tokens "
             f"({manifest['assistant_tokens']:,} assistant), {manifest['truncated_records']} truncated, in {out}")
 

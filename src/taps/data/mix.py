@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from taps.data.sources import Record, SourceReport, SourceSpecError, english_only, load_source
+from taps.data.english import english_only
+from taps.data.sources import Record, SourceReport, SourceSpecError, load_source
 from taps.core.jsonl import write_jsonl
 from taps.core.outputs import check_output_file, first_line_is
 

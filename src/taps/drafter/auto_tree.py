@@ -206,14 +206,14 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     union = merge_trie(trees)
     if union.size <= 1:
         return union
-    score, parents, sources = path_scores(union), union.parents.tolist(), union.sources.tolist()
+    score, parents, drafters = path_scores(union), union.parents.tolist(), union.sources.tolist()
     depth = [0] * union.size
     for i in range(1, union.size):  # parents precede children
         depth[i] = depth[parents[i]] + 1
-    kept = [i for i in range(1, union.size) if sources[i] & sized]
+    kept = [i for i in range(1, union.size) if drafters[i] & sized]
     if len(kept) + 1 >= total_tokens:
         return rerank(union, total_tokens)
-    extra = sorted((i for i in range(1, union.size) if not sources[i] & sized), key=lambda i: (-score[i], i))
+    extra = sorted((i for i in range(1, union.size) if not drafters[i] & sized), key=lambda i: (-score[i], i))
     extra = extra[:total_tokens - 1 - len(kept)]
     levels = max((depth[i] for i in kept), default=0)
     costs = policy.now  # at the step's context, which the member's propose() set

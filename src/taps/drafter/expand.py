@@ -31,7 +31,7 @@ from taps.core.tree import DraftTree, additive_mask
 
 
 @torch.inference_mode()
-def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int = 0, policy=None) -> DraftTree:
+def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, drafter: int = 0, policy=None) -> DraftTree:
     device = ctx.root_hidden.device
     root_logp = torch.log_softmax(head.logits(ctx.root_hidden).float(), dim=-1)  # [V] (or [N] draft vocabulary)
     k = min(cfg.top_k, root_logp.shape[-1])
@@ -96,5 +96,5 @@ def expand_tree(head: EagleHead, ctx: HeadContext, cfg: TreeConfig, source: int 
         parents=torch.cat([long(-1), node_parents]),
         logp=torch.cat([torch.zeros(1, device=device), scores[keep]]),
         entropy=torch.cat([torch.zeros(1, device=device), entropies[keep]]),
-        drafter=source,
+        drafter=drafter,
     )

@@ -39,7 +39,7 @@ from taps.drafter.head import DraftHead
 from taps.core.jsonl import read_json, write_json_atomic
 from taps.core.machine import machine
 from taps.core.stopwatch import now
-from taps.core.target import Target
+from taps.core.target import Target, TargetRef
 from taps.core.targets import cache_root
 from taps.core.tree import DraftTree, additive_mask
 
@@ -231,8 +231,8 @@ def profile(target: Target, head=None, drafter_digest: str | None = None, measur
     return result
 
 
-def profile_report(target_spec: str, drafter: str | None = None, threads: int | None = None, repeats: int = 5,
-                   measure: bool = False, device: str = "auto", dtype: str = "auto") -> str:
+def profile_report(target: TargetRef, drafter: str | None = None, threads: int | None = None, repeats: int = 5,
+                   measure: bool = False) -> str:
     """`taps profile`: this machine's profile (cached, or measured now) as Markdown tables."""
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -240,11 +240,11 @@ def profile_report(target_spec: str, drafter: str | None = None, threads: int | 
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if threads is not None:
         torch.set_num_threads(threads)
-    target = Target.load(target_spec, device=device, dtype=dtype)
-    head = load_head(drafter, target) if drafter else None
+    loaded = target.load()
+    head = load_head(drafter, loaded) if drafter else None
     # keyed as --tree auto looks it up (tree_policy): a draft level's cost depends on the head's
     # shape and draft vocabulary, not its weights
-    result = profile(target, head, head_shape_key(head) if head is not None else None, measure=measure,
+    result = profile(loaded, head, head_shape_key(head) if head is not None else None, measure=measure,
                      repeats=repeats)
     base = result["target_forward_ms"]["1"]
     lines = [f"{result['target']} ({result['dtype']}, {result['threads']} thread(s), {result['machine']['cpu']}); "

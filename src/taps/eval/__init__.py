@@ -1,1 +1,1 @@
-"""The study harness: benchmarks, runner, metrics, report."""
+"""The study harness: benchmarks, runner, metrics, the report (its tables and figures)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from taps.data.hub import HubUnavailable, hub_rows
 from taps.data.sources import DATA_DIR_ENV
 from taps.core.jsonl import read_json_lines
 
@@ -137,14 +138,12 @@ def _load_named(name: str, data_dir: str | Path | None) -> list[Question]:
         return read_questions(path, name, "gsm8k" if name == "gsm8k" else "fastchat")
     dataset, config, split = HUB[name]
     try:
-        import datasets
-        rows = datasets.load_dataset(dataset, config, split=split) if config else \
-            datasets.load_dataset(dataset, split=split)
-    except Exception as err:  # ImportError, or the many types the library raises offline
+        rows = hub_rows(dataset, split, config)
+    except HubUnavailable as err:
         tried = f"no file {path}" if path is not None else "no data directory given"
         raise FileNotFoundError(
             f"benchmark {name}: {tried} (data directory: {root or 'none'}), and the hub data set {dataset} could "
-            f"not be read ({type(err).__name__}: {err}). Pass --data-dir (or set {DATA_DIR_ENV}) to a folder "
+            f"not be read ({err}). Pass --data-dir (or set {DATA_DIR_ENV}) to a folder "
             f"holding {BENCHMARKS[name]}, or install `datasets` and go online") from err
     located = []
     for i, row in enumerate(rows):

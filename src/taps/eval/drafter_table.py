@@ -28,7 +28,7 @@ from taps.eval.benchmarks import load_benchmark
 from taps.core.jsonl import read_json, write_json_atomic
 from taps.core.outputs import check_output_file
 from taps.propose.single import SingleProposer
-from taps.core.target import Target
+from taps.core.target import Target, TargetRef
 
 BENCHES = ("gsm8k", "mt_bench")
 
@@ -106,11 +106,13 @@ def reusable_rows(previous_json: str | Path, settings: dict, digests: dict[str, 
             if name in digests and old.get("weights", {}).get(name) == digests[name]}
 
 
-def table_of_directory(target_spec: str, drafters_dir: str | Path, out: str | Path, data_dir: str | None = None,
+def table_of_directory(target: TargetRef, drafters_dir: str | Path, out: str | Path, data_dir: str | None = None,
                        n: int = 20, temperatures: tuple[float, ...] = (0.0, 1.0), max_new_tokens: int = 256,
-                       jobs: int = 1, dtype: str = "float32") -> str:
+                       jobs: int = 1) -> str:
     """`taps drafter table`: every drafter of a directory (<name>/model.safetensors), measured or
-    reused (update_table), as a Markdown table. data_dir None: $TAPS_DATA_DIR, else the hub."""
+    reused (update_table), as a Markdown table, with `target` (the CLI's: on the CPU, float32 unless
+    --dtype; `jobs` > 1 workers load it on the CPU in its dtype). data_dir None: $TAPS_DATA_DIR,
+    else the hub."""
     root = Path(drafters_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"--drafters {root}: no such directory")
@@ -120,7 +122,7 @@ def table_of_directory(target_spec: str, drafters_dir: str | Path, out: str | Pa
     for suffix, holds in ((".json", _is_table), (".md", lambda path: _is_table(path.with_suffix(".json")))):
         check_output_file(Path(out).with_suffix(suffix), "--out", holds=holds, what="a drafter table")
     settings = TableSettings(data_dir or os.environ.get(DATA_DIR_ENV), n, temperatures, max_new_tokens)
-    table = update_table(Target.load(target_spec, device="cpu", dtype=dtype), drafters, out, settings, jobs=jobs)
+    table = update_table(target.load(), drafters, out, settings, jobs=jobs)
     return to_markdown(table, temperatures)
 
 
@@ -161,36 +163,35 @@ def update_table(target: Target, drafters: dict[str, Path], out: str | Path, set
             raise ValueError("update_table(jobs > 1) needs a target loaded from a directory (Target.load): each "
                              "worker process loads its own")
         table = dict(done)
-        _measure_in_workers(table, {k: drafters[k] for k in todo}, str(target.source_dir), recorded["dtype"],
-                            settings, jobs, save)
+        copy = TargetRef(str(target.source_dir), "cpu", recorded["dtype"])  # what each worker loads
+        _measure_in_workers(table, {k: drafters[k] for k in todo}, copy, settings, jobs, save)
     else:
         table = acceptance_table(target, drafters, settings, done=done, on_drafter=save, progress=progress)
     write_table(table, out, settings.temperatures, recorded, {k: digests[k] for k in table})
     return table
 
 
-def _table_worker(target_dir: str, dtype: str, drafters: dict[str, Path], settings: TableSettings,
+def _table_worker(target: TargetRef, drafters: dict[str, Path], settings: TableSettings,
                   order: list[str], taken, results, threads: int) -> None:
     """One process of `--jobs N`: measures the next unmeasured drafter of `order` until none is left."""
     torch.set_num_threads(threads)
-    target = Target.load(target_dir, device="cpu", dtype=dtype)
-
+    loaded = target.load()
     for name in workers.untaken(order, taken):
         t0 = time.time()
         try:
-            row = acceptance_table(target, {name: drafters[name]}, settings)[name]
+            row = acceptance_table(loaded, {name: drafters[name]}, settings)[name]
             results.put((name, row, time.time() - t0, None))
         except Exception as e:  # reported by the parent, naming the drafter
             results.put((name, None, 0.0, f"{type(e).__name__}: {e}"))
 
 
-def _measure_in_workers(table: dict, todo: dict[str, Path], target_dir: str, dtype: str, settings: TableSettings,
+def _measure_in_workers(table: dict, todo: dict[str, Path], target: TargetRef, settings: TableSettings,
                         jobs: int, save: Callable) -> None:
     """Fill `table` with the rows of `todo`, measured by `jobs` processes; `save` runs after each."""
     taken, results = workers.counter(), workers.SPAWN.Queue()
     jobs = min(jobs, len(todo))
     threads = workers.cores_each(jobs)
-    procs = workers.start(_table_worker, [(target_dir, dtype, todo, settings, list(todo), taken, results, threads)]
+    procs = workers.start(_table_worker, [(target, todo, settings, list(todo), taken, results, threads)]
                           * jobs)
     pending, errors = set(todo), []
     while pending:

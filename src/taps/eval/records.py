@@ -102,8 +102,8 @@ def turn_record(result: DecodeResult, identity: TurnIdentity, output: str) -> di
         per_step["accepted"].append(s.accepted)
         per_step["emitted"].append(s.emitted)
         per_step["tree_size"].append(s.tree_size)
-        per_step["source"].append(s.source)
-        per_step["sources"].append(s.sources)
+        per_step["source"].append(s.credited_drafter)  # the records' keys stay "source" and "sources"
+        per_step["sources"].append(s.drafters)
         per_step["step_info"].append(s.info.as_json())
         if t is None:
             for k in TRACED:

@@ -259,7 +259,7 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     return len(units)
 
 
-def eval_benchmarks(source: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
+def eval_benchmarks(target: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
                     out: str | Path, settings: EvalSettings = EvalSettings(), jobs: int = 1,
                     progress: bool = True) -> str:
     """`taps eval` and a study's eval stage: the questions (of the benchmarks: benchmarks.load_questions)
@@ -267,31 +267,31 @@ def eval_benchmarks(source: TargetRef, variants: Sequence[VariantSpec], question
     returns a summary. `out` holds these results or none yet, never another kind (taps.core.outputs)."""
     check_output_dir(out, "eval results")
     if jobs > 1:
-        total = run_eval_jobs(source, variants, questions, out, settings, jobs=jobs, progress=progress)
+        total = run_eval_jobs(target, variants, questions, out, settings, jobs=jobs, progress=progress)
         return f"taps eval: {total} conversations in {out} ({jobs} worker processes)"
-    written = run_eval(load_target_for_eval(source), source.path, variants, questions, out, settings,
+    written = run_eval(load_target_for_eval(target), target.path, variants, questions, out, settings,
                        progress=progress)
     return f"taps eval: {written} conversations decoded in this run; results in {out}"
 
 
-def load_target_for_eval(source: TargetRef) -> Target:
+def load_target_for_eval(target: TargetRef) -> Target:
     """The target on this process's device (under accelerate / torchrun each rank takes its own GPU)."""
-    if source.device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if target.device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
 
-        source = replace(source, device=str(PartialState().device))
-    return source.load()
+        target = replace(target, device=str(PartialState().device))
+    return target.load()
 
 
-def _eval_worker(source: TargetRef, variants, questions, out: str, settings: EvalSettings, shard: Shard,
+def _eval_worker(target: TargetRef, variants, questions, out: str, settings: EvalSettings, shard: Shard,
                  progress: bool) -> None:
     """One process of run_eval_jobs: shard.rank's questions, on its share of the cores."""
     torch.set_num_threads(workers.cores_each(shard.world))
-    run_eval(source.load(), source.path, variants, questions, out, settings, shard=shard, progress=progress,
+    run_eval(target.load(), target.path, variants, questions, out, settings, shard=shard, progress=progress,
              merge=False)
 
 
-def run_eval_jobs(source: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
+def run_eval_jobs(target: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
                   out: str | Path, settings: EvalSettings = EvalSettings(), jobs: int = 2,
                   progress: bool = True) -> int:
     """run_eval in `jobs` processes on one machine (each every jobs-th question, with its share of
@@ -303,12 +303,12 @@ def run_eval_jobs(source: TargetRef, variants: Sequence[VariantSpec], questions:
     if not questions:
         raise ValueError("no questions to decode (check --bench, --limit and --category)")
     with output_lock(out, "results"):
-        return _run_eval_jobs(source, variants, questions, Path(out), settings, jobs, progress)
+        return _run_eval_jobs(target, variants, questions, Path(out), settings, jobs, progress)
 
 
-def _run_eval_jobs(source: TargetRef, variants, questions, out: Path, settings, jobs, progress) -> int:
+def _run_eval_jobs(target: TargetRef, variants, questions, out: Path, settings, jobs, progress) -> int:
     failed = workers.join(workers.start(_eval_worker, [
-        (source, list(variants), list(questions), str(out), settings, Shard(rank, jobs), progress and rank == 0)
+        (target, list(variants), list(questions), str(out), settings, Shard(rank, jobs), progress and rank == 0)
         for rank in range(jobs)]))
     merge_shards(out)  # what the finished workers wrote is kept either way; a rerun decodes the rest
     if failed:

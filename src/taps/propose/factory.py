@@ -86,10 +86,10 @@ def load_member(path: str, target, **head_options) -> "EagleHead | LookupSpec":
     return load_head(path, target, **head_options)
 
 
-def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, source: int, policy=None) -> Proposer:
+def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, drafter: int, policy=None) -> Proposer:
     if isinstance(member, LookupSpec):
-        return LookupProposer(tree, member, source=source)
-    return SingleProposer(member, tree, source=source, policy=policy() if policy is not None else None)
+        return LookupProposer(tree, member, drafter=drafter)
+    return SingleProposer(member, tree, drafter=drafter, policy=policy() if policy is not None else None)
 
 
 def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig = TreeConfig(),

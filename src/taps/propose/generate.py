@@ -31,7 +31,7 @@ class Generated:
             "verifier_calls": r.verifier_calls,
             "acceptance_length": r.acceptance_length,
             "accepted_per_step": [s.accepted for s in r.steps],
-            "drafter_per_step": [s.source for s in r.steps],
+            "drafter_per_step": [s.credited_drafter for s in r.steps],
             "step_info": infos if any(infos) else None,
             "tokens_per_second": r.tokens_per_second,
             "stop_reason": r.stop_reason,
@@ -45,27 +45,27 @@ class Generated:
                 f"{r.acceptance_length:.2f}, {r.tokens_per_second:.1f} tokens/s]")
 
 
-def generate_prompt(source: TargetRef, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
+def generate_prompt(target: TargetRef, spec: VariantSpec, prompt: str | list[int], raw: bool = False,
                     speculation: SpeculationConfig = SpeculationConfig(),
                     decode: DecodeConfig | None = None) -> Generated:
     """Decode one prompt: token ids as they are, or a user message through the chat template
     (`raw`: tokenized as plain text). `speculation`: the tree mode and shape (a drafter's; plain
     decoding drafts none).
     `decode`: length, sampling and seed (default: DecodeConfig's); no stop tokens: the target's."""
-    target = source.load()
-    tok = target.tokenizer
+    loaded = target.load()
+    tok = loaded.tokenizer
     if not isinstance(prompt, str):
         ids = list(prompt)
     elif tok is None:
-        raise ValueError(f"{source.path} has no tokenizer; use --prompt-ids")
+        raise ValueError(f"{target.path} has no tokenizer; use --prompt-ids")
     elif raw:
         ids = tok(prompt)["input_ids"]
     else:
         ids = chat_ids(tok, [{"role": "user", "content": prompt}])
-    pool = HeadPool(target, source.attn)
-    policy = tree_policy(target, pool.heads(spec).values(), speculation)
+    pool = HeadPool(loaded, target.attn)
+    policy = tree_policy(loaded, pool.heads(spec).values(), speculation)
     cfg = decode or DecodeConfig()
-    cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
-    result = generate(target, pool.proposer(spec, speculation.tree, policy), ids, cfg)
+    cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=loaded.stop_token_ids())
+    result = generate(loaded, pool.proposer(spec, speculation.tree, policy), ids, cfg)
     text = reply_text(tok, result.tokens, cfg.stop_token_ids) if tok else ""
     return Generated(text, result)

@@ -59,7 +59,7 @@ class LookupSpec:
 
 
 class LookupProposer:
-    def __init__(self, tree: TreeConfig = TreeConfig(), spec: LookupSpec = LookupSpec(), source: int = 0,
+    def __init__(self, tree: TreeConfig = TreeConfig(), spec: LookupSpec = LookupSpec(), drafter: int = 0,
                  max_matches: int = 512):
         for lo, hi in ((spec.min_ngram, spec.max_ngram), (spec.store_min_ngram, spec.store_max_ngram)):
             if not 1 <= lo <= hi:
@@ -68,7 +68,7 @@ class LookupProposer:
             raise ValueError("a lookup drafter without prompt lookup needs a datastore")
         self.tree = tree
         self.max_ngram, self.min_ngram = spec.max_ngram, spec.min_ngram
-        self.source = source
+        self.drafter = drafter  # its index in a composition
         self.datastore, self.prompt = spec.datastore, spec.prompt
         self.store_ngram, self.max_matches = (spec.store_max_ngram, spec.store_min_ngram), max_matches
         self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the rest of the budget)
@@ -152,7 +152,7 @@ class LookupProposer:
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
             logp=torch.tensor(logp, device=self._device),
             entropy=torch.tensor([0.0] + [h_q] * (len(tokens) - 1), device=self._device),
-            drafter=self.source,
+            drafter=self.drafter,
         )
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:

@@ -7,7 +7,7 @@ merge_trie | merge_budget, bound to the tree budget by the factory), passed in a
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
 - budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
 Every drafter consumes every step's accepted features, so all stay in sync. The merged tree keeps
-each node's drafters (`source`: the most confident, `sources`: bitmask of all of them) and the
+each node's drafters (`sources`: the bitmask of all of them; a step is credited to the lowest) and the
 members' own trees (`parts`, handed back to each member's observe()).
 Verification is unchanged: greedy takes the longest match, sampling tries each distinct child
 token once (verify.py pools nodes that share a token path), so the merge is lossless.
@@ -15,7 +15,7 @@ token once (verify.py pools nodes that share a token path), so the merge is loss
 Diagnostics: `records` holds one MergeRecord per step (input tree sizes, merged size, and, once
 observed, the bitmask of drafters that proposed the accepted token path). `turn` counts start()
 calls and `step` indexes that run's DecodeResult.steps. The decoder does not call observe() after
-its last step, so that step's `accepted_sources` stays None.
+its last step, so that step's `accepted_drafters` stays None.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ class MergeRecord:
     step: int  # index into that run's DecodeResult.steps
     input_sizes: tuple[int, ...]  # nodes (root included) of each drafter's tree
     merged_size: int  # nodes (root included) of the merged tree, before the decoder's depth trim
-    accepted_sources: int | None = None  # bitmask of drafters that proposed the accepted path (0: none accepted)
+    accepted_drafters: int | None = None  # bitmask of drafters that proposed the accepted path (0: none accepted)
 
 
-def accepted_path_sources(tree: DraftTree, tokens: list[int]) -> int:
+def accepted_path_drafters(tree: DraftTree, tokens: list[int]) -> int:
     """Bitmask of the drafters that proposed the whole token path `tokens` (draft tokens below the
     root) in `tree`: OR over every node reached by that path (in a disjoint merge, one per tree)."""
     states = TokenPaths(tree).follow(tokens)
@@ -70,7 +70,7 @@ class MergedProposer(ProposerGroup):
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         # by token path, not node id: the decoder may have trimmed the tree's depth
-        self.records[-1].accepted_sources = accepted_path_sources(tree, acceptance.tokens[1:].tolist())
+        self.records[-1].accepted_drafters = accepted_path_drafters(tree, acceptance.tokens[1:].tolist())
         super().observe(tree, acceptance, features)
 
     def step_info(self) -> StepInfo:

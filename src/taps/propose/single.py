@@ -16,10 +16,10 @@ from taps.core.verify import Acceptance
 
 
 class SingleProposer:
-    def __init__(self, head: EagleHead, tree: TreeConfig = TreeConfig(), source: int = 0, policy=None):
+    def __init__(self, head: EagleHead, tree: TreeConfig = TreeConfig(), drafter: int = 0, policy=None):
         self.head = head
         self.tree = tree  # with a policy: the caps on depth, tokens and beams
-        self.source = source
+        self.drafter = drafter  # its index in a composition: bit `drafter` of its trees' sources
         self.policy = policy  # drafter.auto_tree.AutoTree or None (fixed trees)
         self._ctx: HeadContext | None = None
 
@@ -33,7 +33,7 @@ class SingleProposer:
             raise RuntimeError("propose() before start()")
         if self.policy is not None:  # the verify cost it weighs is the one at this context
             self.policy.context = self._ctx.length
-        return expand_tree(self.head, self._ctx, self.tree, self.source, self.policy)
+        return expand_tree(self.head, self._ctx, self.tree, self.drafter, self.policy)
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         if self.policy is not None and tree.size > 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from taps.core.config import DecodeConfig, TreeConfig, check_at_least, setting
@@ -38,7 +38,7 @@ from taps.core.jsonl import read_json, read_json_lines, write_json_atomic, write
 from taps.propose.single import SingleProposer
 from taps.serve.answer_log import read_log
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, head_versions
-from taps.core.target import Target
+from taps.core.target import TargetRef
 from taps.train.trainer import Trainer, TrainConfig
 
 ADAPT_DIR = "adapt"
@@ -119,9 +119,10 @@ def _publish(trained: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def adapt(root: str | Path, name: str, target_spec: str, base: str | None = None,
-          settings: AdaptSettings = AdaptSettings(), mix=(), device: str = "auto", say=print) -> str:
-    """One adaptation (module docstring); returns the summary line."""
+def adapt(root: str | Path, name: str, target: TargetRef, base: str | None = None,
+          settings: AdaptSettings = AdaptSettings(), mix=(), say=print) -> str:
+    """One adaptation (module docstring) of the head served as `name` with `target` (loaded in
+    float32, whatever its dtype: the head trains in float32); returns the summary line."""
     root = Path(root)
     if not (root / "log").is_dir():
         raise AdaptError(f"DIR {root}: no log/ there; expected the directory of `taps serve --learn DIR`")
@@ -131,24 +132,24 @@ def adapt(root: str | Path, name: str, target_spec: str, base: str | None = None
     final = root / HEADS_DIR / name / plan["version"]
     say(f"taps adapt: {name} {plan['from']} -> {plan['version']} on {plan['train_records']} answers, "
         f"{plan['heldout_records']} held out ({work})")
-    target = Target.load(target_spec, device=device, dtype="float32")
-    old = load_head(plan["from_dir"], target)
+    loaded = replace(target, dtype="float32").load()
+    old = load_head(plan["from_dir"], loaded)
     if not isinstance(old, EagleHead):
         raise AdaptError(f"{plan['from_dir']}: an EAGLE-3 head; taps adapt fine-tunes EAGLE-2 / HASS heads")
-    extract_features(target, work / "train.jsonl", work / "features", FeatureSettings(max_len=settings.max_len))
+    extract_features(loaded, work / "train.jsonl", work / "features", FeatureSettings(max_len=settings.max_len))
     cfg = TrainConfig(epochs=settings.epochs, lr=settings.lr, batch_size=settings.batch_size, warmup_steps=0,
                       max_len=settings.max_len, seed=settings.seed, training_data=f"taps serve log {root}")
-    trainer = Trainer(target, [str(work / "features"), *mix], work / "train", cfg, start_from=old)
+    trainer = Trainer(loaded, [str(work / "features"), *mix], work / "train", cfg, start_from=old)
     if trainer.resume():
         say(f"taps adapt: resumed training at step {trainer.step}/{trainer.total_steps}")
     trained = trainer.fit(progress=False)
     heldout = [row for _, row in read_json_lines(work / "heldout.jsonl", AdaptError)]
     scores = read_json(work / "eval.json", "an adapt evaluation", AdaptError) if (work / "eval.json").is_file() else {}
     if "before" not in scores:
-        scores["before"] = acceptance(target, old, heldout, settings.max_new_tokens)
+        scores["before"] = acceptance(loaded, old, heldout, settings.max_new_tokens)
         write_json_atomic(work / "eval.json", scores)
     if "after" not in scores:
-        scores["after"] = acceptance(target, load_head(trained, target), heldout, settings.max_new_tokens)
+        scores["after"] = acceptance(loaded, load_head(trained, loaded), heldout, settings.max_new_tokens)
         write_json_atomic(work / "eval.json", scores)
     better = scores["after"] > scores["before"]
     if better and not final.exists():

@@ -39,7 +39,7 @@ from taps.core.decode import StepStats, chat_ids, generate, reply_text
 from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
-from taps.core.target import Target
+from taps.core.target import TargetRef
 
 PLAIN_NAMES = ("baseline", "plain")
 ROUTING_LOG = logging.getLogger("taps.serve.routing")
@@ -98,7 +98,7 @@ def _step_head(step: StepStats, names: Sequence[str]) -> str | None:
     deepest accepted node (None when no draft token was accepted)."""
     index = step.info.route_chosen
     if index is None:
-        index = step.source
+        index = step.credited_drafter
     return names[index] if 0 <= index < len(names) else None
 
 
@@ -144,11 +144,9 @@ class Engine:
             self.pool.proposer(variant.spec, self.tree, self.policy)
 
     @classmethod
-    def load(cls, target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
-             speculation: SpeculationConfig = SpeculationConfig(), device: str = "auto", dtype: str = "auto",
-             attn_implementation: str = "sdpa", model_id: str | None = None) -> "Engine":
-        loaded = Target.load(target, device=device, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(loaded, drafters, variants, speculation, model_id, attn_implementation)
+    def load(cls, target: TargetRef, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
+             speculation: SpeculationConfig = SpeculationConfig(), model_id: str | None = None) -> "Engine":
+        return cls(target.load(), drafters, variants, speculation, model_id, target.attn)
 
     # ---- facts -----------------------------------------------------------------------------
     @property

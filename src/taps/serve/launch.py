@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from taps.core.config import SpeculationConfig, setting
+from taps.core.target import TargetRef
 from taps.serve.engine import Engine
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -41,7 +42,6 @@ class ServeSettings:
     shutdown_timeout: float = setting(30.0, "on SIGTERM / SIGINT: seconds running requests may finish before they "
                                             "are cancelled")
     log_level: str = setting("info", "uvicorn's log level (info: one line per request)", choices=LOG_LEVELS)
-    attn: str = setting("sdpa", "target attention implementation", choices=("sdpa", "eager"))
     learn: str | None = setting(None, "learn the workload (docs/learn.md): keep finished chat answers in DIR/log/, "
                                       "draft the lookup member from them too (DIR/store/), serve adapted head versions "
                                       "from DIR/heads/NAME/vN/ (default: nothing is kept)")
@@ -115,10 +115,10 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
 
 
-def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
+def serve(target: TargetRef, drafters: Sequence[tuple[str, str]] = (), variants: Sequence[str] = (),
           settings: ServeSettings = ServeSettings(), speculation: SpeculationConfig = SpeculationConfig(),
-          device: str = "auto", dtype: str = "auto", announce: Callable[[str], None] = print) -> None:
-    """Load the target and its heads, then serve them until SIGTERM / SIGINT (`announce` gets the
+          announce: Callable[[str], None] = print) -> None:
+    """Load the target (its device, dtype and attention implementation are the TargetRef's) and its heads, then serve them until SIGTERM / SIGINT (`announce` gets the
     line that says where)."""
     try:
         from taps.serve.app import Limits, create_app, run
@@ -130,8 +130,7 @@ def serve(target: str, drafters: Sequence[tuple[str, str]] = (), variants: Seque
     limits = Limits(max_queue=settings.max_queue, max_tokens=settings.max_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens)
     check_address(settings.host, settings.port)  # before the model loads: a busy port fails in a second
-    engine = Engine.load(target, drafters, variants, speculation, device=device, dtype=dtype,
-                         attn_implementation=settings.attn, model_id=settings.served_model_name)
+    engine = Engine.load(target, drafters, variants, speculation, model_id=settings.served_model_name)
     log = logging.getLogger("taps.serve")  # the routing decisions (engine.ROUTING_LOG), at --log-level
     if not log.handlers:
         handler = logging.StreamHandler()
