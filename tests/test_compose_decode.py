@@ -245,7 +245,7 @@ def test_identical_heads_reduce_to_single_head(arch):
     a, b = merged.propose(), one.propose()
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert torch.equal(a.logp, b.logp) and [a.credited(i) for i in range(a.size)] == [b.credited(i) for i in range(b.size)]
-    assert a.source_sets()[1:] == [[0, 1]] * (a.size - 1)
+    assert a.drafter_sets()[1:] == [[0, 1]] * (a.size - 1)
 
 
 # ---- routing records ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_disjoint_layout_exact():
     assert m.tokens.tolist() == [1, 5, 6, 3, 5, 8, 9, 3]
     assert m.parents.tolist() == [-1, 0, 0, 1, 0, 4, 0, 6]
     assert [m.credited(i) for i in range(m.size)] == [-1, 0, 0, 0, 1, 1, 1, 1]
-    assert m.sources.tolist() == [0, 1, 1, 1, 2, 2, 2, 2]
+    assert m.drafters.tolist() == [0, 1, 1, 1, 2, 2, 2, 2]
     assert m.logp.tolist() == pytest.approx([0, -0.2, -1.0, -0.5, -0.1, -0.7, -0.9, -1.5])
     assert m.entropy.tolist() == pytest.approx([0, 1.0, 1.0, 2.0, 0.5, 0.7, 0.5, 0.6])
     assert m.size == 1 + (A.size - 1) + (B.size - 1)
@@ -79,12 +79,12 @@ def test_trie_exact():
     # shared: the root and 5; new from B: 8 (under 5), 9, 3 (under 9)
     assert m.tokens.tolist() == [1, 5, 6, 3, 8, 9, 3]
     assert m.parents.tolist() == [-1, 0, 0, 1, 1, 0, 5]
-    assert m.sources.tolist() == [0, 0b11, 0b01, 0b01, 0b10, 0b10, 0b10]
-    assert m.source_sets() == [[], [0, 1], [0], [0], [1], [1], [1]]
+    assert m.drafters.tolist() == [0, 0b11, 0b01, 0b01, 0b10, 0b10, 0b10]
+    assert m.drafter_sets() == [[], [0, 1], [0], [0], [1], [1], [1]]
     # the shared node takes logp / entropy from the drafter that scored it highest (B: -0.1)
     assert m.logp.tolist() == pytest.approx([0, -0.1, -1.0, -0.5, -0.7, -0.9, -1.5])
     assert m.entropy.tolist() == pytest.approx([0, 0.5, 1.0, 2.0, 0.7, 0.5, 0.6])
-    # and is credited to the lowest-numbered of its proposers (A), both being in its sources
+    # and is credited to the lowest-numbered of its proposers (A), both being in its drafters
     assert [m.credited(i) for i in range(m.size)] == [-1, 0, 0, 0, 1, 1, 1]
 
 
@@ -144,11 +144,11 @@ def test_trie_is_a_deduplicated_union(k, seed):
     assert trie.size <= disjoint.size
     assert set(paths) == set(token_paths(disjoint))  # exactly the union of all proposals
     assert trie.depth().tolist() == [len(p) for p in paths]
-    # sources: every tree that proposed the path; logp: the best of their scores
+    # drafters: every tree that proposed the path; logp: the best of their scores
     per_tree = [best_scores(t) for t in trees]
     for node, path in enumerate(paths[1:], start=1):
         owners = [h for h in range(k) if path in per_tree[h]]
-        assert trie.source_sets()[node] == owners
+        assert trie.drafter_sets()[node] == owners
         assert float(trie.logp[node]) == pytest.approx(max(per_tree[h][path] for h in owners))
         assert trie.credited(node) == min(owners)
 
@@ -197,9 +197,9 @@ def test_budget_keeps_the_most_confident_candidates(k, seed, total):
     dropped = [s for p, s in scores.items() if p not in kept]
     if dropped and budget.size > 1:
         assert min(scores[p] for p in kept if p) >= max(dropped)
-    # shared nodes keep their sources
-    sources = dict(zip(token_paths(trie), trie.sources.tolist()))
-    assert all(sources[p] == s for p, s in zip(token_paths(budget), budget.sources.tolist()))
+    # shared nodes keep their drafters
+    drafters = dict(zip(token_paths(trie), trie.drafters.tolist()))
+    assert all(drafters[p] == s for p, s in zip(token_paths(budget), budget.drafters.tolist()))
     if trie.size <= total:
         assert torch.equal(budget.tokens, trie.tokens) and torch.equal(budget.parents, trie.parents)
 
@@ -213,14 +213,14 @@ def test_rerank_keeps_parents_even_when_scores_rise_along_a_path():
     assert rerank(tree, 4) is tree
 
 
-def test_prune_depth_keeps_sources():
+def test_prune_depth_keeps_drafters():
     m = merge_trie([A, B])
     pruned = m.prune_depth(1)
     assert pruned.tokens.tolist() == [1, 5, 6, 9]
-    assert pruned.sources.tolist() == [0, 0b11, 0b01, 0b10]
-    assert pruned.source_sets() == [[], [0, 1], [0], [1]]
+    assert pruned.drafters.tolist() == [0, 0b11, 0b01, 0b10]
+    assert pruned.drafter_sets() == [[], [0, 1], [0], [1]]
     # one drafter's tree: every node below the root has that drafter's bit
-    assert A.sources.tolist() == [0, 1, 1, 1] and B.source_sets()[1] == [1]
+    assert A.drafters.tolist() == [0, 1, 1, 1] and B.drafter_sets()[1] == [1]
 
 
 # ---- sampling on merged trees with duplicate tokens -------------------------------------------------

@@ -58,7 +58,7 @@ def test_tree_shape_rules(cfg):
     assert tree.size <= cfg.total_tokens
     assert int(tree.tokens[0]) == ctx.root_token == 42
     assert int(tree.depth().max()) <= cfg.depth
-    assert (tree.sources[1:] == 1 << 4).all() and tree.credited(1) == 4
+    assert (tree.drafters[1:] == 1 << 4).all() and tree.credited(1) == 4
     for kids in tree.children():
         toks = [int(tree.tokens[c]) for c in kids]
         assert len(toks) == len(set(toks)) and len(kids) <= cfg.top_k  # distinct siblings

@@ -75,10 +75,10 @@ def test_invalid_parents_rejected(parents):
 def test_field_shape_checked():
     with pytest.raises(ValueError, match="logp"):
         DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), logp=torch.zeros(3),
-                  entropy=torch.zeros(2), sources=torch.ones(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="sources"):
+                  entropy=torch.zeros(2), drafters=torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="drafters"):
         DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), logp=torch.zeros(2),
-                  entropy=torch.zeros(2), sources=torch.ones(3, dtype=torch.long))
+                  entropy=torch.zeros(2), drafters=torch.ones(3, dtype=torch.long))
 
 
 def test_additive_mask_prefix_and_window():

@@ -21,7 +21,7 @@ def tree_of(parents, tokens, logp=None, drafter=None):
     drafter = torch.tensor(drafter) if drafter else torch.tensor([-1] + [0] * (n - 1))
     return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents),
                      logp=torch.tensor(logp, dtype=torch.float) if logp else -torch.arange(n, dtype=torch.float),
-                     entropy=torch.zeros(n), sources=drafter_bits(drafter))
+                     entropy=torch.zeros(n), drafters=drafter_bits(drafter))
 
 
 def one_hot_logits(argmaxes, vocab=V):

@@ -59,7 +59,7 @@ class StepStats:
         deepest, drafted = int(acc.nodes[-1]), acc.accepted > 0
         return cls(accepted=acc.accepted, emitted=emitted, tree_size=tree.size,
                    credited_drafter=tree.credited(deepest) if drafted else -1, draft_s=draft_s, target_s=target_s,
-                   other_s=other_s, drafters=int(tree.sources[deepest]) if drafted else 0, info=info, trace=trace)
+                   other_s=other_s, drafters=int(tree.drafters[deepest]) if drafted else 0, info=info, trace=trace)
 
 
 @dataclass

@@ -6,7 +6,7 @@ whose parent precedes it (parents[i] < i), so a single left-to-right pass over t
 ancestors before descendants. Everything else (depths, ancestor mask, paths, positions) derives
 from the parents array and is computed, never stored.
 
-Provenance is one required bitmask per node, `sources` (bit h: drafter h proposed it); a step
+Provenance is one required bitmask per node, `drafters` (bit h: drafter h proposed it); a step
 is credited to the lowest-numbered drafter of its deepest accepted node (`credited`), and the
 records keep the whole bitmask beside it. A composition's tree also carries its members' own
 trees (`parts`), which the decoder hands back to the composition's observe().
@@ -27,14 +27,14 @@ class DraftTree:
     parents: Tensor  # [N] long, -1 for the root, parents[i] < i otherwise
     logp: Tensor  # [N] float, cumulative draft log-prob along the path (0 at the root)
     entropy: Tensor  # [N] float, entropy of the draft distribution that proposed the node (0 at the root)
-    sources: Tensor  # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root)
+    drafters: Tensor  # [N] long bitmask of every drafter that proposed the node (bit h = drafter h; 0 at the root)
     # the member trees a composition drafted this step, in member order (None: a member that did
     # not draft), handed back to each member's observe(); () for a drafter's own tree
     parts: tuple = ()
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for name in ("parents", "logp", "entropy", "sources"):
+        for name in ("parents", "logp", "entropy", "drafters"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"DraftTree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
         if n == 0 or int(self.parents[0]) != -1:
@@ -51,7 +51,7 @@ class DraftTree:
         """One drafter's tree: every node below the root proposed by `drafter` (-1: none, a root-only tree)."""
         per_node = torch.full_like(parents, drafter)
         per_node[0] = -1
-        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, sources=drafter_bits(per_node))
+        return cls(tokens=tokens, parents=parents, logp=logp, entropy=entropy, drafters=drafter_bits(per_node))
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -66,13 +66,13 @@ class DraftTree:
 
     def credited(self, node: int) -> int:
         """The drafter a step ending at `node` is credited to: the lowest-numbered one that proposed
-        it (-1 at the root). Of a trie merge's shared node, every proposer is in `sources`."""
-        mask = int(self.sources[node])
+        it (-1 at the root). Of a trie merge's shared node, every proposer is in `drafters`."""
+        mask = int(self.drafters[node])
         return (mask & -mask).bit_length() - 1
 
-    def source_sets(self) -> list[list[int]]:
+    def drafter_sets(self) -> list[list[int]]:
         """For each node, the indices of every drafter that proposed it (empty at the root)."""
-        return [[h for h in range(mask.bit_length()) if mask >> h & 1] for mask in self.sources.tolist()]
+        return [[h for h in range(mask.bit_length()) if mask >> h & 1] for mask in self.drafters.tolist()]
 
     @property
     def confidence(self) -> Tensor:  # [N] product of draft probabilities along the path (1 at the root)
@@ -204,11 +204,11 @@ def drafter_bits(drafter: Tensor) -> Tensor:
 
 # ---- merging the trees of several drafters (docs/spec.md §4, merges) ----
 # Input: one tree per drafter, all rooted at the same pending token; tree h's draft nodes are
-# attributed to drafter h (whatever their own `sources` say). Output: one DraftTree whose nodes
-# keep the parents-before-children order, with `sources` = the bitmask of every drafter that
+# attributed to drafter h (whatever their own `drafters` say). Output: one DraftTree whose nodes
+# keep the parents-before-children order, with `drafters` = the bitmask of every drafter that
 # proposed it. Positions are depths, so every merged node sits
 # at the same position as in the tree it came from.
-MAX_MERGED_TREES = 62  # sources is an int64 bitmask
+MAX_MERGED_TREES = 62  # drafters is an int64 bitmask
 
 
 def _merge_inputs(trees: Sequence[DraftTree]) -> int:
@@ -234,7 +234,7 @@ def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
     """
     _merge_inputs(trees)
     first = trees[0]
-    tokens, parents, logp, entropy, sources = [first.tokens[:1]], [first.parents[:1]], [first.logp[:1]], \
+    tokens, parents, logp, entropy, drafters = [first.tokens[:1]], [first.parents[:1]], [first.logp[:1]], \
         [first.entropy[:1]], [torch.zeros(1, dtype=torch.long, device=first.tokens.device)]
     offset = 0  # merged id of tree node j (j >= 1) is offset + j
     for h, tree in enumerate(trees):
@@ -243,10 +243,10 @@ def merge_disjoint(trees: Sequence[DraftTree]) -> DraftTree:
         parents.append(torch.where(par == 0, par, par + offset))
         logp.append(tree.logp[1:].to(first.logp.dtype))
         entropy.append(tree.entropy[1:].to(first.entropy.dtype))
-        sources.append(torch.full_like(par, 1 << h))
+        drafters.append(torch.full_like(par, 1 << h))
         offset += tree.size - 1
     return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), logp=torch.cat(logp),
-                     entropy=torch.cat(entropy), sources=torch.cat(sources))
+                     entropy=torch.cat(entropy), drafters=torch.cat(drafters))
 
 
 def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
@@ -256,7 +256,7 @@ def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
     so the trie of one tree, or of identical trees, is that tree.
 
     A shared node takes logp (hence confidence) and entropy from the drafter that scored it highest
-    (the first on ties); `sources` records every drafter that proposed it. With each
+    (the first on ties); `drafters` records every drafter that proposed it. With each
     input's scores non-increasing along paths, so are the merged ones (max over drafters of
     non-increasing sequences).
     """
@@ -286,7 +286,7 @@ def merge_trie(trees: Sequence[DraftTree]) -> DraftTree:
     long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return DraftTree(tokens=long(tokens), parents=long(parents), logp=torch.tensor(logp, dtype=fdtype, device=device),
                      entropy=torch.tensor(entropy, dtype=trees[0].entropy.dtype, device=device),
-                     sources=long(mask))
+                     drafters=long(mask))
 
 
 def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
@@ -298,7 +298,7 @@ def keep_nodes(tree: DraftTree, keep: Tensor) -> DraftTree:
     if bool((new_parents[1:] < 0).any()):
         raise ValueError("keep_nodes: a kept node's parent was not kept")
     return DraftTree(tokens=tree.tokens[keep], parents=new_parents, logp=tree.logp[keep],
-                     entropy=tree.entropy[keep], sources=tree.sources[keep])
+                     entropy=tree.entropy[keep], drafters=tree.drafters[keep])
 
 
 def path_scores(tree: DraftTree) -> list[float]:

@@ -206,7 +206,7 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     union = merge_trie(trees)
     if union.size <= 1:
         return union
-    score, parents, drafters = path_scores(union), union.parents.tolist(), union.sources.tolist()
+    score, parents, drafters = path_scores(union), union.parents.tolist(), union.drafters.tolist()
     depth = [0] * union.size
     for i in range(1, union.size):  # parents precede children
         depth[i] = depth[parents[i]] + 1

@@ -96,7 +96,7 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
                    signal: str = "confidence", granularity: str = "step", merge_mode: str = "disjoint",
                    weights: Sequence[float] | None = None, policy: Callable[[], object] | None = None) -> Proposer:
     """A proposer for `strategy` over the named heads (each bound to the target; dict order is the
-    drafter index: bit h of tree.sources, and the index in routing / merge logs), checked by the grammar's
+    drafter index: bit h of tree.drafters, and the index in routing / merge logs), checked by the grammar's
     rules. `policy`: a factory of cost-aware tree policies (drafter/auto_tree.py), one per head (a
     budget merge then sizes its lookup members' share by cost too: merge_budget_by_cost); None
     drafts fixed trees."""

@@ -7,7 +7,7 @@ merge_trie | merge_budget, bound to the tree budget by the factory), passed in a
 - trie:     nodes with equal token paths are one node (identical proposals cost one slot);
 - budget:   the trie reranked by confidence to the single-tree budget `total_tokens`.
 Every drafter consumes every step's accepted features, so all stay in sync. The merged tree keeps
-each node's drafters (`sources`: the bitmask of all of them; a step is credited to the lowest) and the
+each node's drafters (`drafters`: the bitmask of all of them; a step is credited to the lowest) and the
 members' own trees (`parts`, handed back to each member's observe()).
 Verification is unchanged: greedy takes the longest match, sampling tries each distinct child
 token once (verify.py pools nodes that share a token path), so the merge is lossless.
@@ -45,7 +45,7 @@ def accepted_path_drafters(tree: DraftTree, tokens: list[int]) -> int:
     states = TokenPaths(tree).follow(tokens)
     if len(states) <= len(tokens):  # the path leaves the tree
         return 0
-    masks, out = tree.sources.tolist(), 0
+    masks, out = tree.drafters.tolist(), 0
     for node in states[-1]:
         out |= masks[node]
     return out

@@ -4,7 +4,7 @@ docs/spec.md §4, confidence routing (reference behaviour) and entropy routing, 
 - every drafter drafts a full tree from the same context;
 - a routing signal scores each tree from its own nodes (mean confidence over the non-root nodes,
   higher wins; or mean draft entropy, lower wins); ties go to the first drafter;
-- the winning tree is verified, with its `sources` relabelled to the winner's index, so the
+- the winning tree is verified, with its `drafters` relabelled to the winner's index, so the
   decoder's StepStats.credited_drafter names the chosen drafter whenever a draft token is accepted;
 - granularity: per step (decide at every draft/verify step, the reference confidence router) or
   per turn (decide once, from the first trees after start(), as the reference entropy router).
@@ -110,10 +110,10 @@ class RoutedProposer(ProposerGroup):
             winner = self.decisions[-1].chosen
         self._step += 1
         tree = trees[winner]
-        drafters = torch.where(tree.sources != 0, torch.full_like(tree.sources, 1 << winner), tree.sources)  # [N] the winner's bit
+        drafters = torch.where(tree.drafters != 0, torch.full_like(tree.drafters, 1 << winner), tree.drafters)  # [N] the winner's bit
         # per turn, the losers are not kept in sync (the next start() re-encodes them)
         parts = tuple(t if i == winner or not self.per_turn else None for i, t in enumerate(trees))
-        return replace(tree, sources=drafters, parts=parts)
+        return replace(tree, drafters=drafters, parts=parts)
 
     def _decide(self, trees: Sequence[DraftTree]) -> RouteDecision:
         """The decision of this step from every drafter's tree: the signal's best score."""

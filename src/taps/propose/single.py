@@ -19,7 +19,7 @@ class SingleProposer:
     def __init__(self, head: EagleHead, tree: TreeConfig = TreeConfig(), drafter: int = 0, policy=None):
         self.head = head
         self.tree = tree  # with a policy: the caps on depth, tokens and beams
-        self.drafter = drafter  # its index in a composition: bit `drafter` of its trees' sources
+        self.drafter = drafter  # its index in a composition: bit `drafter` of its trees' drafters
         self.policy = policy  # drafter.auto_tree.AutoTree or None (fixed trees)
         self._ctx: HeadContext | None = None
 
