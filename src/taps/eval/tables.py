@@ -20,7 +20,7 @@ from taps.eval.runner import RUN_INFO
 from taps.core.jsonl import read_json
 
 BENCH_ORDER = ("mt_bench", "gsm8k", "math500", "svamp")  # the paper's column order; others follow
-BACKBONES = ("eagle2", "hass")  # name prefixes (study.PAPER_VARIANTS) that group the entropy figure
+BACKBONES = ("eagle2", "hass", "eagle3")  # name prefixes (study.PAPER_VARIANTS) that group the entropy figure
 SPEED_NOTE = ("Speedups are ratios measured side by side in one run (each question is decoded by every variant "
               "in turn, the baseline included); absolute tokens/s depend on the machine and are not comparable "
               "across machines.")
