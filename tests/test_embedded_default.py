@@ -87,3 +87,31 @@ def test_greedy_speculative_equals_plain_with_every_head(target):
             assert result.tokens == plain, (name, prompt)
             accepted[name] += sum(s.accepted for s in result.steps)
     assert all(n > 0 for n in accepted.values()), accepted  # every head's drafts were accepted
+
+
+def test_the_familys_training_data_ships_and_answers_the_configs_draw(tmp_path):
+    """models/smollm2-135m-instruct/data holds the target's answers behind the family, named by
+    configs/smollm2.yaml; the math file answers exactly the config's draw of GSM8K-train (checked
+    as a build checks it: ids, prompts and drawn order)."""
+    from taps.data.features import read_conversations
+    from taps.data.mix import mix_sources
+    from taps.core.jsonl import write_jsonl
+    from taps.study import load_study
+    from taps.train.family import shipped_answers
+
+    data_dir = DEFAULT.parents[2] / "shared" / "data"
+    study = load_study(DEFAULT.parents[1] / "configs" / "smollm2.yaml")
+    shipped = study.drafter_recipe["shipped_data"]
+    counts = {"math": 2000, "chat": 1763}  # the card's Data table
+    for domain, count in counts.items():
+        path = DEFAULT.parents[1] / shipped[domain]
+        records = read_conversations(path)
+        assert len(records) == count and path.name.endswith(".jsonl.gz")
+        assert all([t["role"] for t in r["conversations"]][-2:] == ["user", "assistant"] and r["regenerated"]["new_tokens"] > 0
+                   for r in records)
+    if not (data_dir / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip(f"{data_dir}: no local GSM8K-train to draw from")
+    recipe = study.drafter_recipe
+    draw = write_jsonl(mix_sources([f"{recipe['math_source']}:{recipe['n_per_domain']}"], 0, str(data_dir)),
+                       tmp_path / "math.jsonl")
+    assert len(shipped_answers(DEFAULT.parents[1] / shipped["math"], draw)) == 2000
