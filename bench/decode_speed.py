@@ -200,6 +200,10 @@ def main() -> None:
     policy = tree_policy(target, heads.values(), SpeculationConfig(AUTO_CAPS, "auto"))
     head, math_head, chat_head = heads[args.head], heads[args.math], heads[args.chat]
     pair = {"math": math_head, "chat": chat_head}
+
+    def with_lookup(h, lookup: LookupSpec):  # the budget merge of a head and a lookup drafter, auto trees
+        return lambda: build_proposer("merge", {"h": h, "lookup": lookup}, AUTO_CAPS, merge_mode="budget", policy=policy)
+
     decoders = {
         "hf-generate": "hf",
         "plain": lambda: None,
@@ -210,21 +214,18 @@ def main() -> None:
         f"{args.head} auto": lambda: build_proposer("single", {"h": head}, AUTO_CAPS, policy=policy),
         "routed auto": lambda: build_proposer("route", pair, AUTO_CAPS, policy=policy),
         "merged-budget auto": lambda: build_proposer("merge", pair, AUTO_CAPS, merge_mode="budget", policy=policy),
-        f"{args.head}+lookup auto": lambda: build_proposer("merge", {"h": head, "lookup": LookupSpec()}, AUTO_CAPS,
-                                                           merge_mode="budget", policy=policy),
+        f"{args.head}+lookup auto": with_lookup(head, LookupSpec()),
     }
     if args.head3:
         head3 = heads[args.head3]
         decoders[f"{args.head3} auto"] = lambda: build_proposer("single", {"h": head3}, AUTO_CAPS, policy=policy)
-        decoders[f"{args.head3}+lookup auto"] = lambda: build_proposer(
-            "merge", {"h": head3, "lookup": LookupSpec()}, AUTO_CAPS, merge_mode="budget", policy=policy)
+        decoders[f"{args.head3}+lookup auto"] = with_lookup(head3, LookupSpec())
     if args.datastore:
         store = load_datastore(args.datastore, target)
         with_store = LookupSpec(datastore=store, store_nodes=args.datastore_nodes)
         decoders["lookup+datastore"] = lambda: build_proposer("single", {"lookup": with_store}, LOOKUP_TREE)
         for name in [args.head] + ([args.head3] if args.head3 else []):
-            decoders[f"{name}+lookup+datastore auto"] = lambda h=heads[name]: build_proposer(
-                "merge", {"h": h, "lookup": with_store}, AUTO_CAPS, merge_mode="budget", policy=policy)
+            decoders[f"{name}+lookup+datastore auto"] = with_lookup(heads[name], with_store)
     if args.only:
         keep = set(args.only.split(","))
         decoders = {k: v for k, v in decoders.items() if k in keep or k == "plain"}
