@@ -225,3 +225,18 @@ def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, caps
               "--out", str(tmp_path / "x"), "--jobs", "0"])
     assert stop.value.code == 2
     assert "argument --jobs: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_auto_trees_without_a_head_are_refused_before_any_worker(tmp_path, setup):
+    """--jobs N --tree auto with only plain / lookup variants: one ValueError in the parent (it used
+    to fail inside every worker with a traceback), and nothing is written."""
+    from taps.eval.runner import run_eval_jobs
+
+    target_dir, _, _ = setup
+    auto = EvalSettings(temperatures=(0.0,), max_new_tokens=4, warmup=False,
+                        speculation=SpeculationConfig(TreeConfig(12, 3, 3), mode="auto"))
+    with pytest.raises(ValueError, match="--tree auto sizes the trees of EAGLE heads and none is given"):
+        run_eval_jobs(TargetRef(str(target_dir), "cpu", "float32"),
+                      [parse_variant("base=baseline"), parse_variant("look=lookup")], QUESTIONS, tmp_path / "auto",
+                      auto, jobs=2, progress=False)
+    assert not (tmp_path / "auto").exists()

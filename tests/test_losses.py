@@ -71,12 +71,12 @@ def inference_chain(head, ids, feats, c, depth):
     return outs
 
 
-def deviation_by_depth(head, batch, steps):
+def deviation_by_depth(head, batch, steps, dense=False):
     """max |training step d output at t = c + d - 2 - inference depth-d output| over every row,
-    context length c and depth d; one value per depth."""
+    context length c and depth d; one value per depth (band attention, or the dense mask)."""
     pairs = head_pairs(batch)
     with torch.no_grad():
-        train = aligned_outputs(head, pairs.tokens, pairs.features, pairs.positions, steps)
+        train = aligned_outputs(head, pairs.tokens, pairs.features, pairs.positions, steps, dense=dense)
     worst = [0.0] * steps
     for b, length in enumerate(batch.lengths.tolist()):
         ids, feats = batch.input_ids[b, :length], batch.hidden[b, :length]
@@ -88,9 +88,10 @@ def deviation_by_depth(head, batch, steps):
     return worst
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("steps", [3, 4])
-def test_training_attention_equals_inference(target, batch, steps):
-    worst = deviation_by_depth(make_head(target, seed=1), batch, steps)
+def test_training_attention_equals_inference(target, batch, steps, dense):
+    worst = deviation_by_depth(make_head(target, seed=1), batch, steps, dense)
     assert max(worst) < 1e-5, worst
 
 
@@ -113,8 +114,9 @@ def stale_rows(step, length, dtype, device):
 
 @pytest.mark.parametrize("mutant, broken_from", [(authors_bug, 2), (stale_rows, 3)])
 def test_mutated_mask_breaks_equality(target, batch, monkeypatch, mutant, broken_from):
+    """The mask is what the equality test checks: on the dense path, a wrong one breaks it."""
     monkeypatch.setattr(losses, "alignment_mask", mutant)
-    worst = deviation_by_depth(make_head(target, seed=1), batch, 3)
+    worst = deviation_by_depth(make_head(target, seed=1), batch, 3, dense=True)
     assert max(worst[: broken_from - 1]) < 1e-5, worst  # depths the mutant still gets right
     assert min(worst[broken_from - 1 :]) > 1e-3, worst
 

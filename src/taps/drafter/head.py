@@ -196,6 +196,7 @@ class EagleHead(DraftHead):
         position_ids: Tensor,  # [B, T] long
         attention_mask: Tensor,  # [B, 1, T, past + T] additive
         cache=None,  # the head's own DynamicCache, or None (training)
+        **attention_kwargs,  # handed to the attention function untouched (training's band rows)
     ) -> Tensor:  # [B, T, H] predicted feature for position t + 1
         embed, _ = self.shared
         x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))  # [B, T, H]
@@ -207,6 +208,7 @@ class EagleHead(DraftHead):
             cache=cache,
             use_cache=cache is not None,
             position_embeddings=cos_sin,
+            **attention_kwargs,
         )
 
     def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V], or [..., N] with a draft vocabulary

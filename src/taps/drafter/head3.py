@@ -86,11 +86,11 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
 
     def forward(self, embeds: Tensor, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
-                position_embeddings) -> Tensor:  # [B, T, H] x2 -> [B, T, H]
+                position_embeddings, **attention_kwargs) -> Tensor:  # [B, T, H] x2 -> [B, T, H]
         both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         attended, _ = self.self_attn(hidden_states=both, attention_mask=attention_mask, position_ids=position_ids,
                                      cache=cache, use_cache=cache is not None,
-                                     position_embeddings=position_embeddings)
+                                     position_embeddings=position_embeddings, **attention_kwargs)
         hidden = hidden + attended  # the residual stream is the feature, not the embedding
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -152,11 +152,13 @@ class Eagle3Head(DraftHead):
         position_ids: Tensor,  # [B, T] long
         attention_mask: Tensor,  # [B, 1, T, past + T] additive
         cache=None,  # the head's own DynamicCache, or None (training)
+        **attention_kwargs,  # handed to the attention function untouched (training's band rows)
     ) -> Tensor:  # [B, T, H] pre-norm output: the next level's input feature
         embed, _ = self.shared
         hidden = features if features.shape[-1] == self.config.hidden_size else self.fuse(features)
         cos_sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embed(tokens).to(hidden.dtype), hidden, attention_mask, position_ids, cache, cos_sin)
+        return self.midlayer(embed(tokens).to(hidden.dtype), hidden, attention_mask, position_ids, cache, cos_sin,
+                             **attention_kwargs)
 
     def logits(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., N]
         return self.lm_head(self.norm(hidden))

@@ -277,6 +277,10 @@ def context_tables(result: dict) -> list[str]:
     return lines
 
 
+AUTO_NEEDS_A_HEAD = ("--tree auto sizes the trees of EAGLE heads and none is given: give a head with --drafter "
+                     "(a study: a variant with one), or use fixed trees (eval.tree.mode: fixed)")
+
+
 def tree_policy(target, heads: Iterable, speculation: SpeculationConfig):
     """The tree policy of a run, built here and nowhere else: None for fixed trees; for mode
     auto, a factory of AutoTree policies (one per drafter: each calibrates its own confidences)
@@ -288,8 +292,7 @@ def tree_policy(target, heads: Iterable, speculation: SpeculationConfig):
         return None
     head = next((h for h in heads if isinstance(h, DraftHead)), None)
     if head is None:
-        raise ValueError("--tree auto sizes the trees of EAGLE heads and none is given: give a head with --drafter "
-                         "(a study: a variant with one), or use fixed trees (eval.tree.mode: fixed)")
+        raise ValueError(AUTO_NEEDS_A_HEAD)
     costs = StepCosts.from_profile(profile(target, head, drafter_digest=head_shape_key(head)))
     top_k = speculation.tree.top_k
     return lambda: AutoTree(costs, top_k=top_k)

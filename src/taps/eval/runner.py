@@ -37,9 +37,10 @@ from taps.core.identity import MismatchError, check_same
 from taps.core.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.core.outlock import output_lock
 from taps.core.outputs import check_output_dir
-from taps.drafter.profile import tree_policy
+from taps.drafter.profile import AUTO_NEEDS_A_HEAD, tree_policy
 from taps.propose.factory import HeadPool
-from taps.propose.spec import VariantSpec
+from taps.propose.rest import is_datastore
+from taps.propose.spec import VariantSpec, is_lookup
 from taps.core.target import Target, TargetRef
 
 RECORDS = "records.jsonl"
@@ -302,6 +303,9 @@ def run_eval_jobs(target: TargetRef, variants: Sequence[VariantSpec], questions:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if not questions:
         raise ValueError("no questions to decode (check --bench, --limit and --category)")
+    if settings.speculation.auto and not any(not is_lookup(path) and not is_datastore(path)
+                                             for v in variants for _, path in v.drafters):
+        raise ValueError(AUTO_NEEDS_A_HEAD)  # said here, once, not by every worker
     with output_lock(out, "results"):
         return _run_eval_jobs(target, variants, questions, Path(out), settings, jobs, progress)
 

@@ -46,6 +46,7 @@ in evaluation); a target argmax outside the draft vocabulary is a miss.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,6 +57,7 @@ from torch import Tensor
 from taps.core import kv
 from taps.drafter.context import causal_block_mask
 from taps.drafter.head import DraftHead
+from taps.train.band_attention import BAND_KWARG, AlignedRows, band_attention_in
 
 
 # ---- the batch -------------------------------------------------------------------------------
@@ -412,7 +414,7 @@ def alignment_mask(step: int, length: int, dtype: torch.dtype, device) -> Tensor
 
 
 def aligned_outputs(head: DraftHead, tokens: Tensor, features: Tensor, positions: Tensor, steps: int,
-                    detach: bool = True) -> list[Tensor]:
+                    detach: bool = True, dense: bool = False) -> list[Tensor]:
     """Head outputs of alignment steps 1..steps, each [B, T, H].
 
     tokens [B, T], features [B, T, H] (true, possibly noised; EAGLE-3: already fused), positions
@@ -422,16 +424,26 @@ def aligned_outputs(head: DraftHead, tokens: Tensor, features: Tensor, positions
     do reach the parameters through the earlier steps' key/value rows, as they are functions of
     the parameters at inference too.) Position 0 keeps its true feature; step j's rows at t < j-1
     then recompute step t+1's rows exactly (there is no context of c >= 1 pairs behind them).
+
+    The attention is `alignment_mask`'s, run as band attention (train/band_attention.py: each
+    step costs what step 1 costs); `dense=True` runs the library's attention over every step's
+    rows under the dense mask instead (the reference the band is tested against).
     """
     b, t = tokens.shape
-    cache = kv.new_cache()  # key/value rows of every step so far, [B, kv_heads, j*T, head_dim] per layer
     outputs: list[Tensor] = []
     inputs = features  # [B, T, H]
-    for step in range(1, steps + 1):
-        mask = alignment_mask(step, t, features.dtype, features.device).expand(b, 1, t, step * t)  # [B, 1, T, j*T]
-        outputs.append(head(tokens, inputs, positions, mask, cache))  # [B, T, H]
-        previous = outputs[-1][:, :-1].detach() if detach else outputs[-1][:, :-1]  # [B, T-1, H]
-        inputs = torch.cat([features[:, :1], previous], dim=1)  # [B, T, H]
+    rows = AlignedRows()  # key/value rows of every step so far, [B, kv_heads, T, head_dim] each
+    cache = kv.new_cache() if dense else None  # dense: [B, kv_heads, j*T, head_dim] per layer
+    with contextlib.nullcontext() if dense else band_attention_in(head):
+        for step in range(1, steps + 1):
+            if dense:
+                mask = alignment_mask(step, t, features.dtype, features.device).expand(b, 1, t, step * t)  # [B, 1, T, j*T]
+                outputs.append(head(tokens, inputs, positions, mask, cache))  # [B, T, H]
+            else:
+                rows.step = step
+                outputs.append(head(tokens, inputs, positions, None, None, **{BAND_KWARG: rows}))  # [B, T, H]
+            previous = outputs[-1][:, :-1].detach() if detach else outputs[-1][:, :-1]  # [B, T-1, H]
+            inputs = torch.cat([features[:, :1], previous], dim=1)  # [B, T, H]
     return outputs
 
 
