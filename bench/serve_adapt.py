@@ -97,6 +97,11 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
                 rows.append({"i": i, "error": f"{type(err).__name__}: {err}"})
             if learner is not None:  # requests spaced out: each one drafts from every earlier answer (reproducible)
                 learner.flush()
+            if (i + 1) % args.window == 0:
+                part = [r for r in rows[-args.window:] if "error" not in r]
+                calls = sum(r["calls"] for r in part)
+                print(f"  {name}: {i + 1}/{len(stream)} requests, last window's acceptance "
+                      f"{sum(r['tokens'] for r in part) / max(calls, 1):.2f}", flush=True)
         if learner is not None:
             learner.flush()
     versions = swapper.rows() if swapper is not None else []
@@ -165,9 +170,15 @@ def main() -> int:
         differ = sum(off.get(r["i"]) != r.get("text") for r in result["rows"] if "error" not in r) if off else None
         cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in ws)
         print(f"| {name} (acceptance / tok/s) | {cells} | {lost} | {failed} | {differ} |")
+        capped = sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"])
+        if capped > len(result["rows"]) // 2:
+            print(f"  note: {capped} of {len(result['rows'])} answers of {name} ran to --max-tokens (often a repetition "
+                  "loop, which any lookup drafter copies): the stream measures loops, not the task")
         ok = [r for r in result["rows"] if "error" not in r]
         seconds = sum(r["seconds"] or 0.0 for r in ok)
         summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
+                         "requests": [{k: v for k, v in r.items() if k != "text"} for r in result["rows"]],
+                         "capped": sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"]),
                          "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
                          "adapt": result["adapt"], "versions": result["versions"]}
     if "adapt" in summary:
