@@ -8,9 +8,11 @@ requests of a task none of the shipped heads was trained on, for three runs over
            the server swaps in before the next request (if the adaptation wrote one)
 
 Not a test: it prints figures; run it on an idle machine. The task (public data available
-offline): translating GSM8K *train* questions into French (`--task translate`) or summarising them
-in one sentence (`--task summarise`); the heads were trained on chat (ShareGPT) and math answers
-(the math heads on answers to these very GSM8K train questions), never on translations or summaries.
+offline): translating GSM8K *train* questions into French (`--task translate`: SmolLM2-135M cannot,
+and most answers loop), summarising them in one sentence (`--task summarise`) or extracting their
+people, items and numbers as JSON (`--task extract-json`: a format of the user's own); the heads were
+trained on chat (ShareGPT) and math answers (the math heads on answers to these very GSM8K train
+questions), never on translations, summaries or extractions.
 `--questions FILE` takes any FastChat question.jsonl instead (Spec-Bench's translation category, say).
 
 Each request is greedy, one client at a time; the variant is the same in every run,
@@ -43,6 +45,10 @@ from taps.core.jsonl import read_json_lines, write_json_atomic
 TASKS = {
     "translate": "Translate the following text into French. Reply with the translation only.\n\n{q}",
     "summarise": "Summarise the following text in one sentence.\n\n{q}",
+    # a format of the user's own: the same JSON shape on every request (what an online datastore and an
+    # adapted head can learn from earlier answers); SmolLM2 answers it in JSON, mostly without loops
+    "extract-json": 'Extract the people, the items and the numbers from the following text. Answer in JSON with '
+                    'the keys "people", "items" and "numbers".\n\n{q}',
 }
 
 
