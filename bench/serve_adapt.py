@@ -184,7 +184,7 @@ def main() -> int:
         seconds = sum(r["seconds"] or 0.0 for r in ok)
         summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
                          "requests": [{k: v for k, v in r.items() if k != "text"} for r in result["rows"]],
-                         "capped": sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"]),
+                         "capped": capped,
                          "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
                          "adapt": result["adapt"], "versions": result["versions"]}
     if "adapt" in summary:
