@@ -23,6 +23,7 @@ from taps.propose.lookup import LookupProposer
 from taps.propose.spec import parse_spec, parse_variant
 from taps.core.target import Target
 from taps.core.testing import tiny_model, tiny_tokenizer
+from taps.core.verify import Acceptance
 
 TREE = TreeConfig(total_tokens=16, depth=5, top_k=4)
 
@@ -77,18 +78,57 @@ def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
     tree = proposer.propose()
     assert paths_of(tree) == [[10, 11], [10, 12], [10, 13, 14, 3, 4], [20]]
     assert tree.size == 1 + 5 + 2 + 1  # the shared "10" is one node
-    # scores: prompt lookup's d log q - log(rank + 1); the datastore's d log q + log(share)
-    logq = math.log(0.5)
+    # scores: prompt lookup's d log q - log(rank + 1); the datastore's log(r * share), the share
+    # already a probability of the whole path (no depth term)
+    log_r = math.log(0.5)
     node_20 = next(i for i in range(tree.size) if tree.tokens[i].item() == 20)
-    assert tree.logp[node_20].item() == pytest.approx(logq + math.log(1 / 3))
+    assert tree.logp[node_20].item() == pytest.approx(log_r + math.log(1 / 3))
     node_11 = next(i for i in range(tree.size) if tree.tokens[i].item() == 11)
-    assert tree.logp[node_11].item() == pytest.approx(2 * logq + math.log(1 / 3))
+    assert tree.logp[node_11].item() == pytest.approx(log_r + math.log(1 / 3))
+    node_10 = next(i for i in range(tree.size) if tree.tokens[i].item() == 10)
+    assert tree.logp[node_10].item() == pytest.approx(math.log(0.5))  # shared with prompt lookup: its score
     alone = started(seq, store, prompt=False).propose()
     assert paths_of(alone) == [[10, 11], [10, 12], [20]]
     small = started(seq, store, tree=TreeConfig(total_tokens=7, depth=5, top_k=4)).propose()
     assert small.size == 7 and paths_of(small) == [[10, 13, 14, 3, 4], [20]]
     capped = started(seq, store, store_nodes=1).propose()
     assert paths_of(capped) == [[10, 13, 14, 3, 4], [20]]
+
+
+def test_each_source_learns_its_own_acceptance():
+    """Prompt lookup's q counts only its own nodes; the datastore's r is accepted datastore nodes
+    over the shares they promised, so a store that overpromises is priced down, not prompt lookup."""
+    store = Datastore.of_segments([[3, 4, 10, 11], [3, 4, 10, 12], [3, 4, 20]], depth=4)
+    seq = [3, 4, 10, 13, 14, 3, 4]
+    proposer = started(seq, store)
+    tree = proposer.propose()  # prompt: 10 13 14 3 4; datastore: 10 -> 11 | 12 (1/3 each), 20 (1/3)
+    # the target emitted 10, 12 and then 5: prompt lookup's 10 accepted, its 13 rejected; the
+    # datastore's 12 accepted, its 11 and 20 not
+    acceptance = Acceptance(nodes=torch.tensor([0, 1, 2]), tokens=torch.tensor([4, 10, 12]), bonus=5)
+    proposer.observe(tree, acceptance, torch.zeros(3, 4))
+    assert (proposer.accepted, proposer.tried) == (1 + 1, 2 + 1 + 1)
+    assert proposer.store_accepted == pytest.approx(1 + 1)
+    assert proposer.store_promised == pytest.approx(2 + 3 * (1 / 3))
+    after = proposer.propose()  # the sequence now ends "... 10 12 5": nothing repeats, no store match
+    assert after.size >= 1 and proposer.r == pytest.approx(2 / 3)
+    # a store that overpromises: every datastore node rejected, r falls and q does not move
+    proposer = started(seq, store)
+    tree = proposer.propose()
+    miss = Acceptance(nodes=torch.tensor([0]), tokens=torch.tensor([4]), bonus=7)
+    proposer.observe(tree, miss, torch.zeros(1, 4))
+    assert proposer.q == pytest.approx(1 / 3)  # prompt lookup's 10 rejected once
+    assert proposer.r == pytest.approx(1 / (2 + 1))  # three nodes promised 1/3 each, none accepted
+
+
+def test_a_datastore_node_deeper_than_the_target_went_is_not_judged():
+    store = Datastore.of_segments([[3, 4, 10, 11]], depth=4)
+    proposer = started([7, 3, 4], store, prompt=False)
+    tree = proposer.propose()  # 10 -> 11, each with share 1
+    assert paths_of(tree) == [[10, 11]]
+    # a merge kept only the root: the target emitted 10 alone (the bonus); 11 stays unjudged
+    proposer.observe(tree, Acceptance(nodes=torch.tensor([0]), tokens=torch.tensor([4]), bonus=10),
+                     torch.zeros(1, 4))
+    assert (proposer.store_accepted, proposer.store_promised) == pytest.approx((2, 3))
 
 
 def test_a_lookup_drafter_needs_prompt_lookup_or_a_datastore():

@@ -197,7 +197,8 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     first, join only while they raise the expected tokens per millisecond.
 
     Those others are model-free drafters (prompt lookup, a datastore) whose score is already an
-    acceptance estimate (q^depth x share: their running acceptance rate times the frequency of the
+    acceptance estimate (prompt lookup's q^depth, a datastore's r x share: each source's own running
+    estimate, times the datastore's frequency of the
     continuation), so node i adds exp(score_i) expected tokens for the verify cost of one more tree
     token, read from the same measured profile at the step's context (`policy.now`). Without the cut, a lookup member
     fills the tree up to the cap, and on a CPU every token past ~16 costs a tree forward more.

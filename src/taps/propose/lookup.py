@@ -8,21 +8,29 @@ numbers and names of a GSM8K question, repeating code or a list the answer build
 The tree: for n = max_ngram down to min_ngram, the continuations (up to `depth` tokens) that
 follow the most recent occurrences of the last n tokens are inserted into a trie under the root,
 longest n and most recent occurrence first, until `top_k` continuations or `total_tokens` nodes.
-Node scores make the tree usable in routed and merged compositions, whose rules read them:
-  logp(node) = depth * log(q) + log(1 / (rank + 1))
-where q is this proposer's own running rate of accepted draft tokens (a Beta(1, 1) prior, then
-accepted / tried on the verified branch, docs/spec.md §5's conditional acceptance rate), so a confidence of
-exp(logp) is a calibrated estimate, and `rank` orders the continuations. A node's entropy is the
-binary entropy of q (the draft is deterministic; this keeps the entropy router's scale). With no
-match the tree is the root alone: one step of plain decoding.
-
-With a datastore (propose/rest.py: a corpus of the target's own earlier answers, REST's
-retrieval), the datastore's most frequent continuations of the context's longest matching suffix
-(n = store_max_ngram..store_min_ngram) fill the rest of the tree after prompt lookup's, in the
-same trie (a path both propose is one node), scored
-  logp(node) = depth * log(q) + log(share)
-where share is the fraction of the datastore's occurrences that continue with the node's path
-(REST's frequency). `prompt=False` drafts from the datastore alone.
+Node scores make the tree usable in routed and merged compositions, whose rules read them, and
+in `--tree auto`'s budget merge, which reads exp(score) as the node's acceptance probability
+(drafter/auto_tree.py: merge_budget_by_cost). Each source keeps its own running estimate, because
+the two fail differently: prompt lookup is near certain inside a repeated span and useless
+elsewhere, while a datastore's frequencies say how often *other* answers went on this way.
+- prompt lookup:  logp(node) = depth * log(q) + log(1 / (rank + 1)), where q is the running rate
+  of accepted prompt-lookup draft tokens (a Beta(1, 1) prior, then accepted / tried on the
+  verified branch, docs/spec.md §5's conditional acceptance rate) and `rank` orders the
+  continuations;
+- datastore (propose/rest.py: a corpus of the target's own earlier answers, REST's retrieval):
+  the datastore's most frequent continuations of the context's longest matching suffix
+  (n = store_max_ngram..store_min_ngram) fill the rest of the tree after prompt lookup's, in the
+  same trie (a path both propose is one node, scored as prompt lookup's), scored
+      logp(node) = log(min(1, r * share))
+  where share is the fraction of the datastore's occurrences that continue with the node's path
+  (REST's frequency, already a probability of the whole path) and r calibrates it: accepted
+  datastore nodes / the sum of their shares over every datastore node the target could have
+  accepted (a prior of 1 / 2, so r starts at 0.5). A store whose frequencies overpromise (an
+  online store of a few loops, say) gets a small r, and the budget merge stops paying a tree
+  slot for its nodes.
+A node's entropy is the binary entropy of its source's estimate (the draft is deterministic;
+this keeps the entropy router's scale). With no match the tree is the root alone: one step of
+plain decoding. `prompt=False` drafts from the datastore alone.
 
 An incremental index (n-gram -> positions that follow it) makes each proposal O(matches), not
 O(sequence length). Verification is unchanged, so decoding stays lossless (docs/spec.md §3).
@@ -72,7 +80,9 @@ class LookupProposer:
         self.datastore, self.prompt = spec.datastore, spec.prompt
         self.store_ngram, self.max_matches = (spec.store_max_ngram, spec.store_min_ngram), max_matches
         self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the rest of the budget)
-        self.accepted, self.tried = 1.0, 2.0  # Beta(1, 1): q starts at 0.5
+        self.accepted, self.tried = 1.0, 2.0  # prompt lookup's Beta(1, 1): q starts at 0.5
+        self.store_accepted, self.store_promised = 1.0, 2.0  # the datastore's calibration: r starts at 0.5
+        self._proposed: dict[tuple[int, ...], float | None] = {}  # last tree: token path -> share (None: prompt lookup)
         self._seq: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
         self._device = torch.device("cpu")
@@ -87,8 +97,13 @@ class LookupProposer:
 
     @property
     def q(self) -> float:
-        """Running estimate of P(a lookup draft token is accepted | its parent was)."""
+        """Running estimate of P(a prompt-lookup draft token is accepted | its parent was)."""
         return self.accepted / self.tried
+
+    @property
+    def r(self) -> float:
+        """Running calibration of the datastore's shares: P(a datastore node is accepted) = r * share."""
+        return self.store_accepted / self.store_promised
 
     # ---- the Proposer protocol ---------------------------------------------------------------
     def start(self, features: Tensor, tokens: Tensor) -> None:
@@ -113,13 +128,14 @@ class LookupProposer:
     def propose(self) -> DraftTree:
         if not self._seq:
             raise RuntimeError("propose() before start()")
-        log_q = math.log(self.q)
-        h_q = -(self.q * log_q + (1 - self.q) * math.log(max(1 - self.q, 1e-12)))
-        tokens, parents, logp, depth = [self._seq[-1]], [-1], [0.0], [0]
+        log_q, log_r = math.log(self.q), math.log(self.r)
+        tokens, parents, logp, depth, entropy = [self._seq[-1]], [-1], [0.0], [0], [0.0]
         child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        path: list[tuple[int, ...]] = [()]  # each node's token path below the root
+        self._proposed = {}
         budget = self.tree.total_tokens - 1
 
-        def add(node: int, token: int, score_of_depth) -> int | None:
+        def add(node: int, token: int, score: float, h: float, share: float | None) -> int | None:
             """The child of `node` for `token` (made if the budget allows; None if not)."""
             if (node, token) in child:
                 return child[(node, token)]
@@ -128,14 +144,18 @@ class LookupProposer:
             tokens.append(token)
             parents.append(node)
             depth.append(depth[node] + 1)
-            logp.append(score_of_depth(depth[-1]))
+            logp.append(score)
+            entropy.append(h)
+            path.append(path[node] + (token,))
+            self._proposed[path[-1]] = share
             child[(node, token)] = len(tokens) - 1
             return len(tokens) - 1
 
+        h_q = _binary_entropy(self.q)
         for rank, cont in enumerate(self.continuations() if self.prompt else []):
             node = 0
             for token in cont:
-                node = add(node, token, lambda d: d * log_q - math.log(rank + 1))
+                node = add(node, token, (depth[node] + 1) * log_q - math.log(rank + 1), h_q, None)
                 if node is None:
                     break
         if self.datastore is not None and len(tokens) - 1 < budget:
@@ -145,34 +165,63 @@ class LookupProposer:
             for found in self.datastore.draft(self._seq, budget, self.tree.depth, *self.store_ngram,
                                               max_matches=self.max_matches):
                 up = 0 if found.parent < 0 else placed[found.parent]
-                log_share = math.log(found.share)
-                placed.append(None if up is None else add(up, found.token, lambda d: d * log_q + log_share))
+                p = min(1.0, self.r * found.share)
+                placed.append(None if up is None else
+                              add(up, found.token, min(0.0, log_r + math.log(found.share)), _binary_entropy(p),
+                                  found.share))
         return DraftTree.drafted(
             tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
             logp=torch.tensor(logp, device=self._device),
-            entropy=torch.tensor([0.0] + [h_q] * (len(tokens) - 1), device=self._device),
+            entropy=torch.tensor(entropy, device=self._device),
             drafter=self.drafter,
         )
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         """Score this proposer's tree against the tokens the target emitted (whichever tree was
-        verified: alone, routed or merged), then extend the sequence and its index."""
+        verified: alone, routed or merged), each node by its source, then extend the sequence and
+        its index."""
         emitted = acceptance.new_tokens  # accepted draft tokens, then the bonus: the target's own tokens
         if tree.size > 1:
-            matched, rejected = _walk(tree, emitted)
-            self.accepted += matched
-            self.tried += matched + int(rejected)
+            self._score(tree, emitted)
         self._append(emitted)
+
+    def _score(self, tree: DraftTree, emitted: list[int]) -> None:
+        """Prompt lookup: at every state the target reached where prompt lookup offered children,
+        one tried, and one accepted if the target's next token is among them. The
+        datastore: every datastore node of `tree` (as the decoder kept it) promised its share, and
+        the ones on the emitted path were accepted (a node that continues the whole emitted path,
+        deeper than the target went, is left unjudged). A tree this proposer did not draft (a path it
+        never proposed) counts as prompt lookup's, as before the split."""
+        paths = TokenPaths(tree)
+        states = paths.follow(emitted)
+        matched = len(states) - 1
+        source = self._proposed.get
+        for i in range(min(matched + 1, len(emitted))):  # every state the target reached, and its next token
+            stem = tuple(emitted[:i])
+            offered = [token for token in paths.options(states[i]) if source(stem + (token,), None) is None]
+            if offered:
+                self.tried += 1
+                self.accepted += emitted[i] in offered
+        if self.datastore is None:
+            return
+        node_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        node_path: list[tuple[int, ...]] = [()]
+        for i in range(1, tree.size):  # parents precede children
+            node_path.append(node_path[parents[i]] + (node_tokens[i],))
+        accepted_prefixes = {tuple(emitted[:i]) for i in range(1, matched + 1)}
+        known = tuple(emitted)
+        for p in set(node_path[1:]):
+            share = source(p)
+            if share is None or (len(p) > len(known) and p[:len(known)] == known):
+                continue  # prompt lookup's, or past what the target emitted along its own path: not yet judged
+            self.store_promised += share
+            self.store_accepted += p in accepted_prefixes
 
     def step_info(self) -> StepInfo:
         return StepInfo()
 
 
-def _walk(tree: DraftTree, emitted: list[int]) -> tuple[int, bool]:
-    """How many of `emitted` the tree holds as a path from its root, and whether it then offered
-    children that the target's next token rejected."""
-    paths = TokenPaths(tree)
-    states = paths.follow(emitted)
-    matched = len(states) - 1
-    return matched, matched < len(emitted) and bool(paths.options(states[-1]))
+def _binary_entropy(p: float) -> float:
+    p = min(max(p, 1e-12), 1 - 1e-12)
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p))
