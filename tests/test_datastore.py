@@ -62,6 +62,15 @@ def test_trie_keeps_the_most_frequent_continuations_parents_first():
     assert [n.token for n in trie_nodes(rows, budget=2)] == [1, 2]
 
 
+def test_a_suffix_found_only_at_segment_ends_falls_back_to_a_shorter_one():
+    """The online datastore's answers end where a request's context often stands (a closing brace,
+    say): the longest suffix then occurs only where its segment ends, with nothing to draft."""
+    assert trie_nodes(np.array([[SEP, SEP], [SEP, SEP]], dtype=np.int32), budget=4) == []
+    store = Datastore.of_segments([[5, 6, 7], [6, 7, 8]], depth=4)
+    assert [n.token for n in store.draft([9, 5, 6, 7], budget=4, depth=2, max_ngram=3)] == [8]
+    assert store.draft([9, 8], budget=4, depth=2, max_ngram=3) == []  # "8" ends its only segment
+
+
 def test_sampling_the_occurrences_keeps_their_proportions():
     segments = [[1, 2, 3]] * 300 + [[1, 2, 4]] * 100
     store = Datastore.of_segments(segments, depth=4)

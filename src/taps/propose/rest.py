@@ -246,6 +246,8 @@ def trie_nodes(rows: np.ndarray, budget: int) -> list[DatastoreNode]:
         cand_parent.append(parents[valid])
         cand_group.append(group[starts][valid])
         previous = group
+    if not cand_depth:  # every row ends its segment at once: no continuation to draft
+        return []
     depth_ = np.concatenate(cand_depth)
     count = np.concatenate(cand_count)
     order = np.lexsort((depth_, -count))[:budget]
