@@ -24,8 +24,10 @@ The goals (issue 31), checked on the printed figures:
   - store: tokens/s over the whole stream >= 1.15x off's.
 
     python bench/serve_adapt.py --target smollm2-135m-instruct --drafters models/smollm2-135m-instruct/drafters \\
-        --head eagle2-mixed-xl --task translate --requests 200 --window 25 --adapt-after 100 --max-tokens 200 \\
-        --data-dir ../shared/data --dtype float32 --tree auto --out runs/serve_adapt
+        --head eagle2-mixed-xl --task extract-json --requests 200 --window 25 --adapt-after 100 --max-tokens 200 \\
+        --data-dir ../shared/data --dtype float32 --tree auto --out runs/serve_adapt_json
+
+(docs/learn.md has this run and the translate one.)
 """
 
 from __future__ import annotations
