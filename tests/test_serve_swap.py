@@ -67,16 +67,20 @@ def test_swap_rollback_refusal_with_greedy_answers_unchanged(setup, target_dir, 
         first = [ask(client, PROMPTS[0]) for _ in range(2)]  # v0: the fitted head a
         assert [r.choices[0].message.content for r in first] == [plain[PROMPTS[0]]] * 2
 
-        shutil.copytree(setup["untrained"], version(root, "a", 1))  # worse than a: rolled back after 2 requests
+        shutil.copytree(setup["untrained"], version(root, "a", 1))  # worse than a: rolled back after its trial
         swapper.scan()
         assert metrics(url)["taps_head_version"][(("head", "a"),)] == 0  # staged, not served before a request
         with caplog.at_level(logging.WARNING, logger="taps.serve"):
-            worse = [ask(client, PROMPTS[0]) for _ in range(2)]
-        assert [r.choices[0].message.content for r in worse] == [plain[PROMPTS[0]]] * 2
-        assert worse[0].usage.acceptance_length < first[0].usage.acceptance_length
+            trial = [ask(client, PROMPTS[0]) for _ in range(3)]  # v1, v0, v1: served alternately
+            assert metrics(url)["taps_head_version"][(("head", "a"),)] == 1  # on trial
+            trial.append(ask(client, PROMPTS[0]))  # v0's second: the trial ends
+        assert [r.choices[0].message.content for r in trial] == [plain[PROMPTS[0]]] * 4
+        assert trial[0].usage.acceptance_length < first[0].usage.acceptance_length
+        assert trial[1].usage.acceptance_length == first[0].usage.acceptance_length  # v0 again, same prompt
         page = metrics(url)
         assert page["taps_head_version"][(("head", "a"),)] == 0  # rolled back
         assert page["taps_version_requests"][(("head", "a"), ("version", "v1"))] == 2
+        assert page["taps_version_requests"][(("head", "a"), ("version", "v0"))] == 2 + 2
         assert page["taps_head_version_events"][(("event", "rollback"), ("head", "a"))] == 1
         rolled = [r for r in caplog.records if "rolled a back to v0" in r.getMessage()]
         assert len(rolled) == 1
@@ -98,16 +102,64 @@ def test_swap_rollback_refusal_with_greedy_answers_unchanged(setup, target_dir, 
         assert ask(client, PROMPTS[1]).choices[0].message.content == plain[PROMPTS[1]]
         assert metrics(url)["taps_head_version"][(("head", "a"),)] == 0
 
-        shutil.copytree(heads["b"], version(root, "a", 4))  # a good version: served from the next request on
+        shutil.copytree(heads["b"], version(root, "a", 4))  # a good version: on trial from the next request on
         swapper.scan()
         for p in PROMPTS:
             assert ask(client, p).choices[0].message.content == plain[p]
         page = metrics(url)
         assert page["taps_head_version"][(("head", "a"),)] == 4
-        assert page["taps_version_requests"][(("head", "a"), ("version", "v4"))] == 3
+        assert page["taps_version_requests"][(("head", "a"), ("version", "v4"))] == 2  # requests 1 and 3
         assert page["taps_version_acceptance_length"][(("head", "a"), ("version", "v4"))] >= 1.0
     # a new server starts on the newest good version, never on the rolled-back one
     assert HeadSwapper(root, engine, poll_s=None).served["a"] == 4
+
+
+class _Pool:
+    attn = None
+
+    def __init__(self):
+        self.replaced = []
+
+    def head(self, path):
+        return ("head", path)
+
+    def replace(self, path, head):
+        self.replaced.append(head)
+
+
+class _Engine:
+    def __init__(self):
+        self.drafters, self.pool, self.target = {"a": "a-dir"}, _Pool(), None
+
+
+def _serve_stream(swapper, acceptance_of):
+    """One request per call of acceptance_of(version) -> tokens per verifier call; the versions used."""
+    used = []
+    for accept in acceptance_of:
+        versions = swapper.apply()
+        used.append(versions["a"])
+        swapper.finished(versions, ["a"], tokens=int(10 * accept(versions["a"])), calls=10, seconds=1.0)
+    return used
+
+
+def test_a_trial_compares_versions_on_the_same_stretch_of_traffic(tmp_path, caplog):
+    """The stream gets harder right at the swap (5.0 -> 3.0 tokens per call whatever the head): the
+    new version, as good as the old, is kept; compared with the requests before the swap (the rule
+    this replaced) it would have been rolled back. A worse one is rolled back after its trial."""
+    swapper = HeadSwapper(tmp_path, _Engine(), check_after=2, poll_s=None)
+    assert _serve_stream(swapper, [lambda v: 5.0] * 4) == [0] * 4
+    swapper.staged["a"] = (1, ("head", "v1"))
+    used = _serve_stream(swapper, [lambda v: 3.0] * 6)
+    assert used == [1, 0, 1, 0, 1, 1]  # alternately until each served 2, then the new one
+    assert swapper.served["a"] == 1 and ("a", "rollback") not in swapper.events
+    (tmp_path / HEADS_DIR / "a" / "v2").mkdir(parents=True)
+    swapper.staged["a"] = (2, ("head", "v2"))
+    with caplog.at_level(logging.WARNING, logger="taps.serve"):
+        used = _serve_stream(swapper, [lambda v: 2.0 if v == 2 else 3.0] * 6)
+    assert used == [2, 1, 2, 1, 1, 1] and swapper.served["a"] == 1
+    assert swapper.events[("a", "rollback")] == 1 and swapper.heads["a"] == ("head", "v1")
+    assert json.loads((tmp_path / HEADS_DIR / "a" / "v2" / ROLLED_BACK).read_text())["previous"] == "v1"
+    assert [r.getMessage() for r in caplog.records if "rolled a back to v1" in r.getMessage()]
 
 
 def test_no_request_fails_or_changes_while_versions_arrive(setup, target_dir, tmp_path):

@@ -48,8 +48,8 @@ class ServeSettings:
     learn_log_mb: int = setting(256, "--learn: the answer log's bound in MiB (the oldest files go first)", at_least=1)
     learn_store_tokens: int = setting(2_000_000, "--learn: the online datastore's bound in tokens (the oldest "
                                                  "answers go first)", at_least=1)
-    learn_check_after: int = setting(20, "--learn: a new head version's first N requests decide whether it stays "
-                                         "(below the previous version's acceptance: rolled back)", at_least=1)
+    learn_check_after: int = setting(20, "--learn: a new head version is served alternately with the previous one "
+                                         "until each has N requests; below its acceptance: rolled back", at_least=1)
 
     def __post_init__(self) -> None:  # the limits are checked by serve.app.Limits, before any model loads
         if not 1 <= self.port <= 65535:

@@ -10,13 +10,18 @@ Refused, with one log line, and never tried again by this server: a version that
 for this target (a corrupt or missing file, another target's head: drafter/checkpoint.load_head's
 checks) or of another kind than the served head (EAGLE-2 vs EAGLE-3). The served version goes on.
 
-Rollback: each version's live acceptance length (generated tokens / verifier calls, per request of
-a variant that has the head as a member) is kept over its last `check_after` requests. When a new
-version has served `check_after` requests and its mean is below the mean of the version it
-replaced (over that one's last `check_after` requests, if it served any), the server goes back to
-it, logs one line and writes `rolled_back.json` into the version's directory, so no server picks
-it up again (delete the file to allow it again). A version served from startup has nothing to be
-compared with. Only the drafted tokens change: verification is the target's, so answers do not.
+Rollback, by a trial on the same traffic: a version picked up while the server runs does not
+replace its predecessor outright. For its first 2 x `check_after` requests the two are served
+alternately, request by request (the new one first), so both see the same stretch of the stream;
+a comparison with the requests served *before* the swap would be decided by how the stream's
+difficulty drifts (issue 31's first runs rolled back a version for exactly that). When each has
+served `check_after` requests, the one with the lower mean live acceptance length (generated
+tokens / verifier calls, per request of a variant that has the head as a member) loses: the new
+version stays, or the server goes back to the old one for good, logs one line and writes
+`rolled_back.json` into the new version's directory, so no server picks it up again (delete the
+file to allow it again). A newer version staged during a trial takes the trial's place, against
+the same predecessor. A version served from startup has nothing to be compared with. Only the
+drafted tokens change: verification is the target's, so answers do not.
 """
 
 from __future__ import annotations
@@ -67,6 +72,27 @@ class VersionStats:
         return sum(self.recent) / len(self.recent)
 
 
+@dataclass
+class Trial:
+    """A new version and the one it replaces, served alternately until each has `window` requests."""
+
+    new: tuple[int, object]  # (version number, head)
+    old: tuple[int, object]
+    new_stats: VersionStats
+    old_stats: VersionStats
+
+    def next(self) -> tuple[int, object]:
+        """The version for the next request: the one that has served fewer (the new one on ties)."""
+        return self.new if self.new_stats.requests <= self.old_stats.requests else self.old
+
+    def stats_of(self, number: int) -> VersionStats | None:
+        return {self.new[0]: self.new_stats, self.old[0]: self.old_stats}.get(number)
+
+    @property
+    def done(self) -> bool:
+        return min(self.new_stats.requests, self.old_stats.requests) >= self.new_stats.window
+
+
 class HeadSwapper:
     """The versions of each served head: what is served, what is staged, refused, and how each did."""
 
@@ -76,14 +102,14 @@ class HeadSwapper:
         self.root, self.engine, self.check_after = Path(root), engine, check_after
         self.served = {name: 0 for name in engine.drafters}
         self.heads = {name: engine.pool.head(path) for name, path in engine.drafters.items()}
-        self.previous: dict[str, tuple[int, object] | None] = {name: None for name in engine.drafters}
+        self.trials: dict[str, Trial] = {}  # head -> its new version's trial against the one it replaces
         self.refused: set[tuple[str, int]] = set()
         self.staged: dict[str, tuple[int, object]] = {}
         self.stats: dict[tuple[str, int], VersionStats] = {}
         self.events: dict[tuple[str, str], int] = {}  # (head, swap | rollback | refused) -> count
         self.lock = threading.Lock()
         self.scan()
-        self.apply()
+        self.apply(trial=False)  # the newest good version from startup: nothing to compare it with
         self._stop = threading.Event()
         self.thread = None
         if poll_s is not None:
@@ -128,53 +154,73 @@ class HeadSwapper:
                 self.staged[name] = (number, head)
 
     # ---- the decode thread, between requests ---------------------------------------------------
-    def apply(self) -> dict[str, int]:
-        """Serve the staged versions from the next proposer on; returns the versions now served."""
+    def apply(self, trial: bool = True) -> dict[str, int]:
+        """Serve the staged versions from the next proposer on (each on trial against the version it
+        replaces), and pick each trial's version for this request; returns the versions this
+        request drafts with."""
         with self.lock:
             for name, (number, head) in self.staged.items():
-                self.previous[name] = (self.served[name], self.heads[name])
-                self._serve(name, number, head)
+                old = self.trials.pop(name).old if name in self.trials else (self.served[name], self.heads[name])
+                if trial:
+                    self.trials[name] = Trial((number, head), old, VersionStats(self.check_after),
+                                              VersionStats(self.check_after))
+                self.served[name] = number  # the version /metrics reports: the one on trial
                 self._count(name, "swap")
-                LOG.info(f"taps serve --learn: serving {name} v{number} (was v{self.previous[name][0]})")
+                LOG.info(f"taps serve --learn: serving {name} v{number}"
+                         + (f" on trial, alternately with v{old[0]}" if trial else f" (was v{old[0]})"))
+                if not trial:
+                    self._use(name, head)
             self.staged.clear()
-            return dict(self.served)
+            versions = dict(self.served)
+            for name, running in self.trials.items():
+                number, head = running.next()
+                self._use(name, head)
+                versions[name] = number
+            return versions
 
-    def _serve(self, name: str, number: int, head) -> None:
-        self.engine.pool.replace(self.engine.drafters[name], head)
-        self.served[name], self.heads[name] = number, head
+    def _use(self, name: str, head) -> None:
+        if self.heads[name] is not head:
+            self.engine.pool.replace(self.engine.drafters[name], head)
+            self.heads[name] = head
 
     def finished(self, versions: dict[str, int], members, tokens: int, calls: int, seconds: float) -> None:
         """A request decoded with `versions`, by a variant of these members: its figures, then the
-        rollback rule (module docstring)."""
+        trial's verdict once both versions have served their requests (module docstring)."""
         with self.lock:
             for name in members:
                 if name not in versions:
                     continue
                 number = versions[name]
-                stats = self.stats.setdefault((name, number), VersionStats(self.check_after))
-                stats.add(tokens, calls, seconds)
-                if number == self.served[name] and stats.requests == self.check_after:
-                    self._judge(name, number, stats)
+                self.stats.setdefault((name, number), VersionStats(self.check_after)).add(tokens, calls, seconds)
+                running = self.trials.get(name)
+                stats = running.stats_of(number) if running is not None else None
+                if stats is not None:
+                    stats.add(tokens, calls, seconds)
+                    if running.done:
+                        self._judge(name, self.trials.pop(name))
 
-    def _judge(self, name: str, number: int, stats: VersionStats) -> None:
-        before = self.previous[name]
-        old = self.stats.get((name, before[0])) if before is not None else None
-        if old is None or not old.recent or stats.recent_mean >= old.recent_mean:
+    def _judge(self, name: str, trial: Trial) -> None:
+        (number, head), (before, old_head) = trial.new, trial.old
+        new_mean, old_mean = trial.new_stats.recent_mean, trial.old_stats.recent_mean
+        if new_mean >= old_mean:
+            self._use(name, head)
+            LOG.info(f"taps serve --learn: keeping {name} v{number}: acceptance length {new_mean:.3f} against "
+                     f"v{before}'s {old_mean:.3f} over {trial.new_stats.requests} requests each, alternately")
             return
         folder = self.root / HEADS_DIR / name / f"v{number}"
-        self._serve(name, *before)
-        self.previous[name] = None
+        self._use(name, old_head)
+        self.served[name] = before
         self.refused.add((name, number))
         self._count(name, "rollback")
         try:
             write_json_atomic(folder / ROLLED_BACK, {"time": round(time.time(), 3), "acceptance_length": round(
-                stats.recent_mean, 4), "previous": f"v{before[0]}", "previous_acceptance_length": round(
-                old.recent_mean, 4), "requests": stats.requests})
+                new_mean, 4), "previous": f"v{before}", "previous_acceptance_length": round(old_mean, 4),
+                "requests": trial.new_stats.requests, "previous_requests": trial.old_stats.requests})
         except OSError:
             pass  # this server never serves it again anyway
-        LOG.warning(f"taps serve --learn: rolled {name} back to v{before[0]}: v{number}'s acceptance length over its "
-                    f"first {stats.requests} requests was {stats.recent_mean:.3f}, v{before[0]}'s "
-                    f"{old.recent_mean:.3f}")
+        LOG.warning(f"taps serve --learn: rolled {name} back to v{before}: v{number}'s acceptance length was "
+                    f"{new_mean:.3f} against v{before}'s {old_mean:.3f}, over {trial.new_stats.requests} requests "
+                    "each, served alternately")
 
     # ---- /metrics ------------------------------------------------------------------------------
     def rows(self) -> list[tuple[str, dict, float]]:
