@@ -41,7 +41,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from taps.drafter.export import GGUF_NAME, export_head
+from taps.drafter.export import CONVERTER_PYTHON_ENV, GGUF_NAME, export_head
 from taps.eval.benchmarks import load_benchmark
 from taps.core.jsonl import append_jsonl, read_jsonl
 from taps.core.targets import find_gguf, resolve_target
@@ -106,7 +106,8 @@ def target_gguf(target: str, outtype: str | None, source: Path, work: Path) -> t
         return gguf, hf
     out = work / f"target-{outtype}.gguf"
     if not out.is_file():
-        run([sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", outtype, "--outfile", out],
+        # the same Python as the head's converter (TAPS_LLAMA_CPP_PYTHON: one with sentencepiece)
+        run([os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", outtype, "--outfile", out],
             "converting the target with llama.cpp's convert_hf_to_gguf.py", nice=True)
     return out, hf
 
