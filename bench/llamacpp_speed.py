@@ -107,7 +107,8 @@ def target_gguf(target: str, outtype: str | None, source: Path, work: Path) -> t
     out = work / f"target-{outtype}.gguf"
     if not out.is_file():
         # the same Python as the head's converter (TAPS_LLAMA_CPP_PYTHON: one with sentencepiece)
-        run([os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", outtype, "--outfile", out],
+        python = os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable
+        run([python, source / "convert_hf_to_gguf.py", hf, "--outtype", outtype, "--outfile", out],
             "converting the target with llama.cpp's convert_hf_to_gguf.py", nice=True)
     return out, hf
 

@@ -165,10 +165,9 @@ class LookupProposer:
             for found in self.datastore.draft(self._seq, budget, self.tree.depth, *self.store_ngram,
                                               max_matches=self.max_matches):
                 up = 0 if found.parent < 0 else placed[found.parent]
-                p = min(1.0, self.r * found.share)
+                score = min(0.0, log_r + math.log(found.share))  # log(min(1, r * share))
                 placed.append(None if up is None else
-                              add(up, found.token, min(0.0, log_r + math.log(found.share)), _binary_entropy(p),
-                                  found.share))
+                              add(up, found.token, score, _binary_entropy(math.exp(score)), found.share))
         return DraftTree.drafted(
             tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
