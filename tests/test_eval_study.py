@@ -50,6 +50,10 @@ def test_smollm2_config_parses():
     assert any("target: smollm2-135m-instruct exists" in line for line in plan(study))
     recipe = study.drafter_recipe
     assert recipe["regenerate"] and recipe["draft_vocab"] == 8192 and recipe["n_per_domain"] == 2000
+    # the three backbones: their variants, and the recipe trains them (it names none itself)
+    assert len([v for v in study.variants if v.name.startswith("eagle3-")]) == 11 + 2
+    assert recipe["backbones"] == ["eagle2", "hass", "eagle3"]
+    assert any("'backbones': ['eagle2', 'hass', 'eagle3']" in line for line in plan(study, ("drafters",)))
 
 
 def test_templates_and_bad_keys():
@@ -132,19 +136,27 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     from taps.study import DemoSettings, demo_study
     from taps.core.testing import write_tiny_target
 
-    target = write_tiny_target(tmp_path / "m" / "target")
+    target = write_tiny_target(tmp_path / "m" / "target", num_hidden_layers=8)  # EAGLE-3 fuses three layers
     with pytest.raises(FileNotFoundError, match="train them with `taps reproduce`"):
         demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16))
     for domain in ("chat", "math", "mixed-small", "mixed-large"):
         write_untrained(target, tmp_path / "m" / "drafters" / f"hass-{domain}", seed=1)
-    write_untrained(target, tmp_path / "m" / "drafters" / "eagle2-chat", seed=1)  # an incomplete backbone
+    write_untrained(target, tmp_path / "m" / "drafters" / "eagle2-chat", seed=1)  # no math head: left out
     study = demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16))
     names = [v.name for v in study.variants]
     assert names[0] == "baseline" and all(n.startswith("hass-") for n in names[1:])
     said = capsys.readouterr().out
-    assert "eagle2 left out" in said and "eagle2-math, eagle2-mixed-small, eagle2-mixed-large" in said
+    assert "eagle2-math, eagle2-mixed-small, eagle2-mixed-large; left out" in said
     assert len(names) == 1 + 7 + 4 + 2  # paper variants, extra merges/routing (the bandit too), two sweep points
     assert "hass-routed-bandit" in names
+    # both specialists but no mixed heads: the backbone's variants that need only them take part
+    for domain in ("chat", "math"):
+        write_untrained(target, tmp_path / "m" / "drafters" / f"eagle3-{domain}", seed=1, backbone="eagle3")
+    study = demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16))
+    eagle3 = [v.name for v in study.variants if v.name.startswith("eagle3-")]
+    assert "eagle3-mixed-small, eagle3-mixed-large; its variants without them kept" in capsys.readouterr().out
+    assert len(eagle3) == 7 + 4 + 2 - 2 and {"eagle3-math", "eagle3-chat", "eagle3-merged-budget"} <= set(eagle3)
+    assert not any("mixed" in n for n in eagle3) and len(study.variants) == 14 + len(eagle3)
     assert study.limit == 2 and study.settings.temperatures == (0.0,)
     assert study.settings.speculation == SpeculationConfig(TreeConfig(60, 5, 10), "fixed")
     small = demo_study(tmp_path / "m", tmp_path / "out", None,

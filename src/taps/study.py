@@ -242,12 +242,15 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     lambdas = _numbers(source, "lambdas", top.get("lambdas", []))
     if not all(0.0 <= lam <= 1.0 for lam in lambdas):
         raise StudyConfigError(f"{source}: lambdas must be numbers in [0, 1], got {top['lambdas']!r}")
-    variants = expand_variants(variants_cfg, _strings(source, "backbones", top.get("backbones", ["eagle2", "hass"])),
-                               lambdas, drafters_dir, f"{source}: variants")
+    backbones = _strings(source, "backbones", top.get("backbones", ["eagle2", "hass"]))
+    variants = expand_variants(variants_cfg, backbones, lambdas, drafters_dir, f"{source}: variants")
+    recipe = _recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe)
+    if recipe is not None:  # the heads trained are those the variants name, unless the recipe says otherwise
+        recipe.setdefault("backbones", list(backbones))
     return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
                  variants=variants, benches=list(benches), settings=settings,
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),
-                 drafter_recipe=_recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe),
+                 drafter_recipe=recipe,
                  drafter_jobs=jobs,
                  limit=limit, categories=categories, device=str(ev.get("device", "auto")),
                  dtype=str(ev.get("dtype", "auto")), eval_jobs=eval_jobs, source=source)
@@ -364,7 +367,8 @@ class DemoSettings:
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settings: DemoSettings = DemoSettings(),
                lambdas: tuple[float, ...] = (0.25, 0.75)) -> Study:
-    """`taps demo`: every variant of every backbone whose four drafters are shipped, plus the baseline,
+    """`taps demo`: every variant of every backbone whose math and chat drafters are shipped (those
+    naming a head not shipped left out), plus the baseline,
     the extra merges and a small averaging sweep (with "averaged" at 0.5, three points of Figure 6),
     on a few questions of each benchmark at temperature 0."""
     models = _embedded(models)
@@ -375,12 +379,15 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settin
                                     f"target/ unless DIR is named after a known target: {', '.join(KNOWN_TARGETS)})")
         target = Path(models.name)  # e.g. models/smollm2-135m-instruct: the installed package's GGUF file
     missing = {b: [d for d in DOMAINS if not (drafters / f"{b}-{d}" / "model.safetensors").is_file()] for b in BACKBONES}
-    backbones = [b for b in BACKBONES if not missing[b]]
+    # a backbone takes part once its two specialists are shipped (every composition pairs them);
+    # variants naming one of its heads that is not shipped yet are left out and said so
+    backbones = [b for b in BACKBONES if not {"math", "chat"} & set(missing[b])]
     for b in BACKBONES:
-        if missing[b] and backbones:
-            print(f"taps demo: {b} left out, {drafters} lacks {', '.join(f'{b}-{d}' for d in missing[b])}")
+        if missing[b] and (backbones or b in backbones):
+            kept = "its variants without them kept" if b in backbones else "left out"
+            print(f"taps demo: {b}: {drafters} lacks {', '.join(f'{b}-{d}' for d in missing[b])}; {kept}")
     if not backbones:
-        raise FileNotFoundError(f"{drafters}: no complete set of drafters ({', '.join(DOMAINS)} for a backbone); "
+        raise FileNotFoundError(f"{drafters}: no backbone with both specialists (math and chat); "
                                 f"train them with `taps reproduce` (a config with drafters.recipe, e.g. "
                                 f"configs/smollm2.yaml)")
     config = {"name": "demo", "out": str(out), "target": {"path": str(target)}, "drafters": {"out": str(drafters)},
@@ -389,7 +396,10 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settin
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
                        "limit": settings.per_bench, "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype,
                        "jobs": settings.jobs, "tree": settings.speculation.as_config()}}
-    return study_from_dict(config, "taps demo", data_dir)
+    study = study_from_dict(config, "taps demo", data_dir)
+    absent = {str(drafters / f"{b}-{d}") for b in backbones for d in missing[b]}
+    study.variants = [v for v in study.variants if not absent & {path for _, path in v.drafters}]
+    return study
 
 
 def parse_stages(text: str) -> tuple[str, ...]:
