@@ -30,6 +30,7 @@ library passes through to the attention function untouched.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,7 +108,10 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree: TreeBlock, s
         visible = visible & ((depth[:, None] - depth[None, :]) < window)
     q = query.reshape(1, kv_heads, groups * n, dim)  # head h = kv head h // groups (copies N rows, not keys)
     k = key[:, :, start:]  # [1, Hkv, K, D], K = prefix - start + N
-    scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, Hkv, groups * N, K]
+    if math.frexp(scaling)[0] == 0.5:  # a power of two (1 / sqrt(64)): scaling the N query rows instead of
+        scores = torch.matmul(q * scaling, k.transpose(2, 3))  # the N x K scores rounds the same, ~10 % faster
+    else:
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, Hkv, groups * N, K]
     scores = scores.view(1, kv_heads, groups, n, k.shape[2])
     fill = torch.finfo(scores.dtype).min
     scores[..., prefix - start:].masked_fill_(~visible, fill)
