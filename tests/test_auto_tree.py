@@ -200,6 +200,29 @@ def test_head_and_lookup_merged_by_cost_decode_losslessly():
         assert result.tokens == hf_greedy(model, prompt, 24)
 
 
+def test_a_priced_budget_merge_lets_lookup_chains_run_past_the_heads_depth_cap():
+    """Under --tree auto a budget merge prices every lookup node, so its lookup member drafts up to
+    AUTO_LOOKUP_DEPTH levels (and AUTO_STORE_NODES datastore nodes); a prompt that repeats a long
+    span then gets steps that accept more than the heads' depth cap, still token for token greedy."""
+    from taps.propose.factory import AUTO_LOOKUP_DEPTH, AUTO_STORE_NODES, LookupSpec
+
+    model, target, head = setup_llama()
+    caps = TreeConfig(32, 4, 4)
+    members = {"head": head, "lookup": LookupSpec()}
+    priced = build_proposer("merge", members, caps, merge_mode="budget", policy=lambda: AutoTree(FLAT, top_k=4))
+    lookup = priced.proposers[1]
+    assert lookup.tree.depth == min(AUTO_LOOKUP_DEPTH, caps.total_tokens - 1) > caps.depth
+    assert lookup.store_nodes == max(LookupSpec().store_nodes, AUTO_STORE_NODES)
+    for strategy, mode, policy in (("merge", "trie", lambda: AutoTree(FLAT, top_k=4)), ("merge", "budget", None),
+                                   ("route", "disjoint", lambda: AutoTree(FLAT, top_k=4))):
+        other = build_proposer(strategy, members, caps, merge_mode=mode, policy=policy)  # verified whole: caps kept
+        assert other.proposers[1].tree.depth == caps.depth and other.proposers[1].store_nodes == LookupSpec().store_nodes
+    prompt = prompts(1, seed=3)[0][:12] * 4  # a 12-token span repeated: prompt lookup can copy it whole
+    result = generate(target, priced, prompt, DecodeConfig(max_new_tokens=40))
+    assert result.tokens == hf_greedy(model, prompt, 40)
+    assert max(s.accepted for s in result.steps) > caps.depth  # a step the old cap could not have accepted
+
+
 # ---- the verify cost at the step's committed context ----------------------------------------------
 BY_CONTEXT = StepCosts(verify_ms={1: 10.0, 64: 20.0}, level_ms={1: 1.0, 16: 1.0},
                        verify_by_context={128: {1: 10.0, 16: 11.0, 64: 14.0}, 1024: {1: 10.0, 16: 30.0, 64: 90.0}})
