@@ -19,7 +19,7 @@ Not a test. Three steps, each skipped when its output is already there:
    speculative decoding should not change them).
 
     python bench/llamacpp_speed.py --head heads/eagle3-mixed-xl [--llama-cpp SRC | --sdist FILE]
-        [--target smollm2-135m-instruct --target-outtype bf16] [--threads 1,2] [--n 20]
+        [--target smollm2-135m-instruct --target-outtype bf16] [--head-outtype bf16] [--threads 1,2] [--n 20]
         [--new-tokens 128] [--draft-max 5] [--data-dir ../shared/data] [--work runs/llamacpp]
         [--out runs/bench/llamacpp-speed.jsonl]
 
@@ -113,7 +113,10 @@ def target_gguf(target: str, outtype: str | None, source: Path, work: Path) -> t
     return out, hf
 
 
-def head_gguf(head: Path, source: Path, hf: Path, work: Path) -> Path:
+def head_gguf(head: Path, source: Path, hf: Path, work: Path, outtype: str = "f32") -> Path:
+    """The head exported for llama.cpp (`taps export`, which writes an f32 GGUF), and for another
+    --head-outtype its converter run again on the export with that type (a bf16 head halves the
+    bytes each draft step reads)."""
     out = work / f"{head.name}-llamacpp"
     gguf = out / GGUF_NAME
     if not gguf.is_file():
@@ -121,7 +124,14 @@ def head_gguf(head: Path, source: Path, hf: Path, work: Path) -> Path:
             export_head(head, "llama.cpp", out, target_model_dir=hf, llama_cpp=source, force=True)
         except ValueError as err:  # ExportError, CheckpointError: one line naming the cause
             raise StepFailed(f"exporting {head} for llama.cpp: {err}") from None
-    return gguf
+    if outtype == "f32":
+        return gguf
+    typed = out / f"head-{outtype}.gguf"
+    if not typed.is_file():
+        python = os.environ.get(CONVERTER_PYTHON_ENV) or sys.executable
+        run([python, source / "convert_hf_to_gguf.py", out, "--target-model-dir", hf, "--outtype", outtype,
+             "--outfile", typed], f"converting the head to {outtype} with llama.cpp's convert_hf_to_gguf.py")
+    return typed
 
 
 # ---- 3. timing ---------------------------------------------------------------------------------
@@ -216,6 +226,8 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--target-outtype", choices=["bf16", "f16", "f32", "q8_0"],
                     help="convert the target's Hugging Face directory with llama.cpp (default: the GGUF as packaged)")
+    ap.add_argument("--head-outtype", choices=["f32", "bf16", "f16"], default="f32",
+                    help="the head's GGUF type (default: f32, as `taps export` writes it)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--n", type=int, default=20, help="prompts per benchmark (+1 warm-up)")
     ap.add_argument("--benches", default="gsm8k,mt_bench")
@@ -238,8 +250,8 @@ def main() -> int:
         source = args.llama_cpp or sdist_source(args.sdist, args.work)
         server = build(source, args.jobs)
         target, hf = target_gguf(args.target, args.target_outtype, source, args.work)
-        head = head_gguf(Path(args.head), source, hf, args.work)
-        settings = {"head": str(Path(args.head).resolve()), "target": str(target), "new_tokens": args.new_tokens,
+        head = head_gguf(Path(args.head), source, hf, args.work, args.head_outtype)
+        settings = {"head": str(Path(args.head).resolve()), "head_gguf": head.name, "target": str(target), "new_tokens": args.new_tokens,
                     "draft_max": args.draft_max}
         done = {(r["bench"], r["index"], r["threads"], r["mode"]) for _, r in read_jsonl(args.out, repair_torn=True)[0]
                 if r.get("settings") == settings} if args.out.is_file() else set()
