@@ -318,6 +318,42 @@ def test_init_from_target_starts_in_the_targets_output_space(target):
         torch.testing.assert_close(head.logits(hidden), expected)
 
 
+def test_eagle3_heads_with_different_draft_vocabularies_average_over_their_union(target):
+    """A family trains each head over its own data's most frequent tokens, so two EAGLE-3 heads'
+    LM heads cover different tokens. Each is widened to the union (a missing row: the target's
+    LM-head row, where init_from_target starts it) and the rows are averaged: a token only one head
+    has gets w * its row + (1 - w) * the target's. Decoding with the average stays lossless."""
+    from taps.drafter.average import AverageError, average_heads
+
+    a_ids, b_ids = torch.arange(0, 300, 2), torch.arange(100, 384, 3)  # overlapping, different
+    a = eagle3_head(target, seed=11, draft_ids=a_ids).init_from_target(target)
+    b = eagle3_head(target, seed=12, draft_ids=b_ids).init_from_target(target)
+    with torch.no_grad():
+        for head, scale in ((a, 1.5), (b, 0.5)):  # "trained": rows that differ from the target's
+            head.lm_head.weight.mul_(scale)
+    avg = average_heads([a, b], [0.25, 0.75])
+    union = torch.unique(torch.cat([a_ids, b_ids]))
+    assert torch.equal(avg.draft_ids.cpu(), union) and avg.lm_head.weight.shape[0] == union.numel()
+    rows = dict(zip(union.tolist(), avg.lm_head.weight))
+    target_rows = target.lm_head.weight
+    only_a, both = 0, int(a_ids[torch.isin(a_ids, b_ids)][0])
+    torch.testing.assert_close(rows[only_a], 0.25 * a.lm_head.weight[0] + 0.75 * target_rows[only_a])
+    ia, ib = int((a_ids == both).nonzero()), int((b_ids == both).nonzero())
+    torch.testing.assert_close(rows[both], 0.25 * a.lm_head.weight[ia] + 0.75 * b.lm_head.weight[ib])
+    whole_a = average_heads([a, b], [1.0, 0.0])  # all of a: its logits on its own tokens, unchanged
+    hidden = torch.randn(3, target.hidden_size)
+    with torch.no_grad():
+        at = torch.searchsorted(union, a_ids)
+        torch.testing.assert_close(whole_a.logits(hidden)[:, at], a.logits(hidden))
+    for prompt in prompts(2, seed=4):
+        out = generate(target, SingleProposer(avg, TreeConfig(20, 4, 4)), prompt, DecodeConfig(max_new_tokens=20))
+        assert out.tokens == hf_greedy(target.model, prompt, 20)
+    unbound = [init_head(target.model.config, seed=s, backbone="eagle3", draft_vocab_size=ids.numel()).set_draft_vocab(ids)
+               for s, ids in ((1, a_ids), (2, b_ids))]
+    with pytest.raises(AverageError, match="bound to their target"):
+        average_heads(unbound)
+
+
 def test_averaging_and_reducing_refuse_eagle3_heads_where_they_cannot_work(target, tmp_path):
     """Averaging stays within one backbone, on disk too, and an EAGLE-3 head in vLLM's naming (no
     Eagle3 architecture, only its midlayer tensors) is still known as one; reduce-vocab refuses it."""

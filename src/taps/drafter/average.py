@@ -7,9 +7,12 @@ carry the same target tokenizer fingerprint. Anything else is an error naming wh
 
 lambda_sweep gives the paper's Figure 6 interpolation lambda * A + (1 - lambda) * B.
 
-Draft vocabularies (drafter/head.py) may differ: no weight depends on them (the LM head is the
-target's), so they are not averaged; the average drafts over the union of the members' draft
-vocabularies, or over the full vocabulary if any member does.
+Draft vocabularies (drafter/head.py) may differ. An EAGLE-2 / HASS head has no weight that depends
+on them (the LM head is the target's), so they are not averaged; the average drafts over the union
+of the members' draft vocabularies, or over the full vocabulary if any member does. An EAGLE-3
+head has its own LM head over its draft vocabulary: heads with the same vocabulary average row by
+row; heads with different ones are first widened to the union, a missing row taken from the
+target's LM head (where TAPS initialises every row), and the average drafts over the union.
 """
 
 from __future__ import annotations
@@ -96,24 +99,53 @@ def average_heads(heads: Sequence[EagleHead], weights: Sequence[float] | None = 
         if head.bias != heads[0].bias:
             raise AverageError(f"fc bias: head 0 has bias={heads[0].bias}, {name} has bias={head.bias}")
     eagle3 = isinstance(heads[0], Eagle3Head)
-    if eagle3:  # each has its own LM head: row i must be the same token in every head
-        for name, head in zip(names[1:], heads[1:]):
-            if not _same_ids(head.draft_ids, heads[0].draft_ids):
-                raise AverageError(f"draft vocabulary: {name}'s own LM head covers other tokens than head 0's; EAGLE-3 "
-                                   "heads average only with the same draft vocabulary")
     check_configs([h.config.to_dict() for h in heads], names)
-    state = average_state_dicts([h.state_dict() for h in heads], weights, names)
+    states, draft_ids = [h.state_dict() for h in heads], union_draft_vocab([h.draft_ids for h in heads])
+    if eagle3:  # each has its own LM head: row i must be the same token in every head
+        same = all(_same_ids(h.draft_ids, heads[0].draft_ids) for h in heads[1:])
+        draft_ids = heads[0].draft_ids if same else draft_ids
+        if not same:
+            states = _on_union_vocab(heads, names, draft_ids)
+    state = average_state_dicts(states, weights, names)
     ref = next(heads[0].parameters())
     if eagle3:
-        out = Eagle3Head(copy.deepcopy(heads[0].config))
+        config = copy.deepcopy(heads[0].config)
+        config.draft_vocab_size = int(state["lm_head.weight"].shape[0])
+        out = Eagle3Head(config)
     else:
         out = EagleHead(copy.deepcopy(heads[0].config), bias=heads[0].bias)
     out.load_state_dict(state, strict=True)
     out = out.to(device=ref.device, dtype=ref.dtype).eval()
-    out.set_draft_vocab(heads[0].draft_ids if eagle3 else union_draft_vocab([h.draft_ids for h in heads]))
+    out.set_draft_vocab(draft_ids)
     if heads[0].is_bound:
         out.share_target(heads[0])
     return out
+
+
+@torch.no_grad()
+def _on_union_vocab(heads: Sequence[Eagle3Head], names: Sequence[str], union: Tensor | None) -> list[dict[str, Tensor]]:
+    """EAGLE-3 heads with different draft vocabularies, each widened to the union of them: its own
+    LM-head rows where it has them, and for a token outside its vocabulary the target's LM-head row,
+    which is where TAPS starts every such row (Eagle3Head.init_from_target) and so what the head's
+    row for that token would be had it been kept and never trained. Needs the target (bound heads)."""
+    if union is None:  # a member drafts over the full vocabulary: the union is all of it
+        union = torch.arange(int(heads[0].config.vocab_size))
+    if not all(h.is_bound for h in heads):
+        raise AverageError(f"draft vocabulary: {names[1]}'s own LM head covers other tokens than {names[0]}'s; "
+                           "EAGLE-3 heads with different draft vocabularies average only bound to their target "
+                           "(its LM head fills the rows a head lacks)")
+    _, target_lm_head = heads[0].shared
+    base = target_lm_head.weight.detach().index_select(0, union.to(target_lm_head.weight.device))  # [U, H]
+    states = []
+    for head in heads:
+        state = dict(head.state_dict())
+        own = state["lm_head.weight"]  # [N_i, H]
+        rows = base.to(device=own.device, dtype=own.dtype).clone()  # [U, H]
+        ids = head.draft_ids if head.draft_ids is not None else torch.arange(int(head.config.vocab_size))
+        rows[torch.searchsorted(union.to(own.device), ids.to(own.device))] = own  # its N_i rows in union order
+        state["lm_head.weight"] = rows
+        states.append(state)
+    return states
 
 
 def _kind(head) -> str:
@@ -165,7 +197,8 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, weight
     vocabs = [pop_draft_vocab(t, c, p) for t, c, p in zip(tensors, configs, paths)]
     if kinds[0] and not all(_same_ids(v, vocabs[0]) for v in vocabs[1:]):
         raise AverageError(f"draft vocabulary: the EAGLE-3 heads {', '.join(labels)} have their own LM heads over "
-                           "different tokens; they average only with the same draft vocabulary")
+                           "different tokens; on disk they average only with the same draft vocabulary (an "
+                           "`average-W:A,B` variant averages them over the union, the target filling missing rows)")
     draft_ids = vocabs[0] if kinds[0] else union_draft_vocab(vocabs)
     state = average_state_dicts(tensors, weights, labels)
 
