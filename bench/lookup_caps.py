@@ -27,14 +27,13 @@ from taps.propose import factory
 from taps.propose.generate import generate_prompt
 from taps.propose.spec import variant_from_config
 
-EXTRACT_JSON = ('Extract the people, the items and the numbers from the following text. Answer in JSON with '
-                'the keys "people", "items" and "numbers".\n\n{q}')  # bench/serve_adapt.py's extract-json
+from serve_adapt import TASKS  # bench/serve_adapt.py, beside this script: its extract-json prompt
 
 
 def questions(which: str, data_dir: str, n: int) -> list[str]:
     if which == "extract-json":
         rows = [row for _, row in read_json_lines(Path(data_dir) / "gsm8k" / "train.jsonl")]
-        return [EXTRACT_JSON.format(q=row["question"]) for row in rows[200:200 + n]]
+        return [TASKS["extract-json"].format(q=row["question"]) for row in rows[200:200 + n]]
     return [q.turns[0] for q in load_benchmark(which, data_dir, limit=n)]
 
 
@@ -54,7 +53,7 @@ def main() -> None:
     member = "lookup" + (f"+{args.store}" if args.store else "")
     spec = variant_from_config("probe", f"merge-budget:{args.head},{member}", "bench/lookup_caps.py")
     target = TargetRef(args.target, "cpu", "bfloat16")
-    print(f"| lookup depth / datastore nodes | acceptance length | mean tree tokens | steps accepting more than 8 |")
+    print("| lookup depth / datastore nodes | acceptance length | mean tree tokens | steps accepting more than 8 |")
     print("| --- | ---: | ---: | ---: |")
     for caps in args.caps.split(","):
         factory.AUTO_LOOKUP_DEPTH, factory.AUTO_STORE_NODES = (int(x) for x in caps.split("/"))
