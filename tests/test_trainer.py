@@ -215,3 +215,35 @@ def test_cli_keeps_every_epochs_head(tmp_path, target_dir, features):
     assert main(["train", "--backbone", "eagle2", "--target", str(target_dir), "--features", str(features),
                  "--out", str(tmp_path / "plain"), "--epochs", "1", "--batch-size", "4", "--cpu"]) == 0
     assert not (tmp_path / "plain" / "epochs").exists()
+
+
+def test_freeze_lm_head_keeps_the_targets_rows_and_trains_the_rest(tmp_path):
+    """--freeze-lm-head: an EAGLE-3 head's own norm and LM head stay the target's final norm and
+    LM-head rows of its draft vocabulary, while fc and the decoder layer train; without it the LM
+    head moves. Refused for other backbones and without the init from the target."""
+    from taps.core.target import Target
+    from taps.core.testing import write_tiny_target
+    from taps.data.features import FeatureSettings, extract_features
+    from taps.drafter.checkpoint import init_head
+    from test_features import write_records
+
+    target4 = Target.load(write_tiny_target(tmp_path / "t4", "llama", seed=0, layers=4), device="cpu", dtype="float32")
+    extract_features(target4, write_records(tmp_path / "data.jsonl", n=24), tmp_path / "f",
+                     FeatureSettings(max_len=64, dtype="fp32", aux_layers="0,1,2"), progress=None)
+    runs = {}
+    for frozen in (True, False):
+        out = fit(target4, tmp_path / "f", tmp_path / f"frozen-{frozen}", backbone="eagle3", draft_vocab=48,
+                  ttt_steps=2, freeze_lm_head=frozen)
+        runs[frozen] = load_head(out, target4)
+    for frozen, head in runs.items():
+        rows = target4.lm_head.weight.index_select(0, head.draft_ids)  # [48, H]
+        assert torch.equal(head.lm_head.weight, rows) is frozen
+        assert torch.equal(head.norm.weight, target4.model.model.norm.weight) is frozen
+        untrained = init_head(target4.model.config, seed=3, backbone="eagle3", draft_vocab_size=48,
+                              aux_layers=head.aux_layers)
+        assert not torch.equal(head.fc.weight, untrained.fc.weight)  # the rest trains either way
+    assert read_config(tmp_path / "frozen-True")[1].extra["train_config"]["freeze_lm_head"] is True
+    with pytest.raises(ValueError, match="--freeze-lm-head"):
+        config(backbone="hass", freeze_lm_head=True)
+    with pytest.raises(ValueError, match="--freeze-lm-head"):
+        config(backbone="eagle3", freeze_lm_head=True, init_from_target=False)

@@ -53,7 +53,7 @@ BACKBONES = ("eagle2", "hass", "eagle3")
 # order, keep_epoch_heads) may change between runs.
 CONTENT_FIELDS = ("backbone", "epochs", "lr", "batch_size", "grad_accum", "warmup_steps", "max_grad_norm", "max_len",
                   "heldout_frac", "hass_topk", "hass_steps", "noise_width", "seed", "mixed_precision",
-                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay", "init_from_target")
+                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay", "init_from_target", "freeze_lm_head")
 
 
 class TrainingError(RuntimeError):
@@ -80,6 +80,9 @@ class TrainConfig:
     init_from_target: bool = setting(
         True, "EAGLE-3: start the head's norm and LM head from the target's final norm and LM-head rows "
               "(--no-init-from-target: random, as the reference)")
+    freeze_lm_head: bool = setting(
+        False, "EAGLE-3: keep the head's own norm and LM head at the target's (needs the init from the target) and "
+               "train the rest; fewer weights to learn from little data, and no LM-head weight gradient")
     seed: int = setting(0)
     checkpoint_steps: int | None = setting(None, "also checkpoint every N steps (always every epoch)", at_least=1)
     log_every: int = 10
@@ -105,6 +108,9 @@ class TrainConfig:
             raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must lie in (0, 1], got {self.ttt_decay}")
+        if self.freeze_lm_head and (self.backbone != "eagle3" or not self.init_from_target):
+            raise ValueError("freeze_lm_head (option --freeze-lm-head) keeps an EAGLE-3 head's own LM head at the "
+                             "target's rows: it needs --backbone eagle3 and the init from the target")
 
     def loss_config(self, noise: bool = True, depths: int | None = None):
         """The backbone's objective; with `depths`, its terms over that many aligned steps (for
@@ -211,7 +217,11 @@ class Trainer:
             self.head.set_draft_vocab(self.draft_vocab.ids)
         if cfg.backbone == "eagle3" and cfg.init_from_target:
             self.head.init_from_target(target)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+        if cfg.freeze_lm_head:  # the target's final norm and LM-head rows stay as they are
+            for module in (self.head.norm, self.head.lm_head):
+                module.requires_grad_(False)
+        trained = [p for p in self.head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         # wall time of fit() summed over resumed runs, and the step it was first counted from
         # (a checkpoint written before this clock existed starts it at its own step)
