@@ -82,7 +82,7 @@ class TrainConfig:
               "(--no-init-from-target: random, as the reference)")
     freeze_lm_head: bool = setting(
         False, "EAGLE-3: keep the head's own norm and LM head at the target's (needs the init from the target) and "
-               "train the rest; fewer weights to learn from little data, and no LM-head weight gradient")
+               "train the rest (an experiment for little data; on SmolLM2 it did worse: docs/eagle3.md)")
     seed: int = setting(0)
     checkpoint_steps: int | None = setting(None, "also checkpoint every N steps (always every epoch)", at_least=1)
     log_every: int = 10
