@@ -13,11 +13,14 @@ from safetensors.torch import load_file
 from conftest import hf_greedy
 from taps.core.config import DecodeConfig, TreeConfig
 from taps.core.decode import generate
-from taps.drafter.checkpoint import load_head, read_config
+from taps.core.target import Target
+from taps.core.testing import write_tiny_target
+from taps.data.features import FeatureSettings, extract_features
+from taps.drafter.checkpoint import init_head, load_head, read_config
 from taps.propose.single import SingleProposer
 from taps.train import trainer as trainer_mod
 from taps.train.trainer import TrainConfig, Trainer, TrainingError
-from test_features import make_features
+from test_features import make_features, write_records
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +224,6 @@ def test_freeze_lm_head_keeps_the_targets_rows_and_trains_the_rest(tmp_path):
     """--freeze-lm-head: an EAGLE-3 head's own norm and LM head stay the target's final norm and
     LM-head rows of its draft vocabulary, while fc and the decoder layer train; without it the LM
     head moves. Refused for other backbones and without the init from the target."""
-    from taps.core.target import Target
-    from taps.core.testing import write_tiny_target
-    from taps.data.features import FeatureSettings, extract_features
-    from taps.drafter.checkpoint import init_head
-    from test_features import write_records
-
     target4 = Target.load(write_tiny_target(tmp_path / "t4", "llama", seed=0, layers=4), device="cpu", dtype="float32")
     extract_features(target4, write_records(tmp_path / "data.jsonl", n=24), tmp_path / "f",
                      FeatureSettings(max_len=64, dtype="fp32", aux_layers="0,1,2"), progress=None)
