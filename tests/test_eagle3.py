@@ -214,6 +214,31 @@ def test_loss_weights_steps_and_lets_gradients_through_steps(target):
         eagle3_loss(head, pad_batch([(batch.input_ids[0], batch.hidden[0], batch.loss_mask[0])]))
 
 
+def test_feature_weight_adds_step_one_regression_of_the_normed_output(target):
+    """Eagle3Config.feature_weight (taps train --ttt-feature-weight): the first step's term gains
+    W x SmoothL1(head.norm(step-1 output), true next feature); the deeper steps' terms are unchanged,
+    and the gradient then reaches the head's norm through the regression as well."""
+    head = eagle3_head(target, seed=5, draft_ids=torch.arange(0, 384, 2))
+    batch = batch_of(target)
+    plain = eagle3_loss(head, batch, Eagle3Config(steps=3, step_decay=0.5))
+    out = eagle3_loss(head, batch, Eagle3Config(steps=3, step_decay=0.5, feature_weight=2.0))
+    torch.testing.assert_close(out.loss, plain.loss + 2.0 * out.steps[0].feature)
+    pairs = head_pairs(batch)
+    with torch.no_grad():
+        first = aligned_outputs(head, pairs.tokens, head.fuse(pairs.features), pairs.positions, 1, detach=False)[0]
+        w = pairs.weight
+        expected = torch.nn.functional.smooth_l1_loss(head.norm(first[w]), pairs.targets[w]).item()
+    assert abs(float(out.steps[0].feature.detach()) - expected) < 1e-5 * max(1.0, expected)
+    grads = []
+    for cfg in (Eagle3Config(steps=2), Eagle3Config(steps=2, feature_weight=1.0)):
+        head.zero_grad()
+        eagle3_loss(head, batch, cfg).loss.backward()
+        grads.append(head.norm.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+    with pytest.raises(ValueError, match="feature_weight"):
+        Eagle3Config(feature_weight=-1.0)
+
+
 def test_teacher_is_the_targets_lm_head_not_the_heads(target):
     """q comes from the target's LM head at the true feature: changing the head's own lm_head
     changes its logits but not the target distribution it is trained towards."""

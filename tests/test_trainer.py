@@ -19,7 +19,7 @@ from taps.data.features import FeatureSettings, extract_features
 from taps.drafter.checkpoint import init_head, load_head, read_config
 from taps.propose.single import SingleProposer
 from taps.train import trainer as trainer_mod
-from taps.train.trainer import TrainConfig, Trainer, TrainingError
+from taps.train.trainer import CONTENT_FIELDS, TrainConfig, Trainer, TrainingError
 from test_features import make_features, write_records
 
 
@@ -244,3 +244,19 @@ def test_freeze_lm_head_keeps_the_targets_rows_and_trains_the_rest(tmp_path):
         config(backbone="hass", freeze_lm_head=True)
     with pytest.raises(ValueError, match="--freeze-lm-head"):
         config(backbone="eagle3", freeze_lm_head=True, init_from_target=False)
+
+
+def test_ttt_feature_weight_reaches_the_eagle3_objective_and_nothing_else():
+    """--ttt-feature-weight is EAGLE-3's (the step-1 feature term of losses.Eagle3Config): it reaches
+    both the training and the held-out objective, is a content setting (a resume under another value
+    is refused), and is refused for the backbones whose objective already regresses features."""
+    cfg = config(backbone="eagle3", ttt_feature_weight=0.5)
+    assert cfg.loss_config().feature_weight == 0.5
+    assert cfg.loss_config(noise=False, depths=3).feature_weight == 0.5
+    assert config(backbone="eagle3").loss_config().feature_weight == 0.0
+    assert "ttt_feature_weight" in CONTENT_FIELDS
+    for backbone in ("eagle2", "hass"):
+        with pytest.raises(ValueError, match="--ttt-feature-weight"):
+            config(backbone=backbone, ttt_feature_weight=0.5)
+    with pytest.raises(ValueError, match="--ttt-feature-weight"):
+        config(backbone="eagle3", ttt_feature_weight=-1.0)

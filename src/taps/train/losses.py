@@ -190,6 +190,14 @@ class Eagle3Config:
     reference's (7 steps, 0.8). `detach`: cut the gradient between steps as HASS does (the
     reference lets it flow). No input noise: the reference adds none.
 
+    feature_weight: adds feature_weight * SmoothL1(norm(step-1 output), true next feature) to the
+    first step's term, an experiment beyond the reference (default 0: none). EAGLE-2 supervises
+    every position densely through its feature regression; EAGLE-3 drops it, and on SmolLM2 its
+    depth-1 top-1 lags EAGLE-2's while its deeper depths lead (docs/eagle3.md). The term regresses
+    the output *after* the head's own norm (what its LM head reads, and the target's last-layer
+    feature is post-norm too), so the pre-norm output, the next level's input, stays free, and only
+    step 1 carries it, so the deeper steps' training-time test is unchanged.
+
     The target's distribution is over the draft vocabulary, renormalised, as for the other
     backbones; the reference instead drops positions whose target argmax lies outside it, which
     needs the full [positions, V] LM head every step."""
@@ -200,10 +208,13 @@ class Eagle3Config:
     top1: bool = True
     compile: bool = False
     noise_width: float = 0.0  # fixed: read by code that handles every backbone's config
+    feature_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"Eagle3Config.steps must be >= 1, got {self.steps}")
+        if self.feature_weight < 0:
+            raise ValueError(f"Eagle3Config.feature_weight must be >= 0, got {self.feature_weight}")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"Eagle3Config.step_decay must lie in (0, 1], got {self.step_decay}")
         if self.noise_width != 0:
@@ -369,7 +380,8 @@ def step_terms(predicted: Tensor, logits: Tensor, teacher: Teacher, weight: Tens
 def _weighted(step: StepLoss, cfg: LossConfig, index: int = 0) -> Tensor:  # []
     """Step `index` (0-based)'s share of the loss under the backbone's objective."""
     if isinstance(cfg, Eagle3Config):
-        return cfg.step_decay ** index * step.token
+        feature = cfg.feature_weight * step.feature if index == 0 and cfg.feature_weight else 0.0
+        return cfg.step_decay ** index * step.token + feature
     topk_weight = cfg.topk_weight if isinstance(cfg, HassConfig) else 0.0
     return cfg.feature_weight * step.feature + cfg.token_weight * step.token + topk_weight * step.distill
 
@@ -459,9 +471,10 @@ def hass_loss(head: DraftHead, batch: TrainBatch, cfg: HassConfig = HassConfig()
 
 
 def _aligned_loss(head: DraftHead, pairs: HeadPairs, inputs: Tensor, cfg: "HassConfig | Eagle3Config",
-                  topk: int | None, detach: bool) -> LossOutput:
+                  topk: int | None, detach: bool, regressed=lambda out: out) -> LossOutput:
     """The terms of `cfg.steps` aligned steps over inputs [B, T-1, H], each scored against the
-    target's distribution at the true next feature (shared by HASS and EAGLE-3)."""
+    target's distribution at the true next feature (shared by HASS and EAGLE-3). `regressed`
+    maps a step's output [P, H] to what the feature term compares with the true next feature."""
     outputs = aligned_outputs(head, pairs.tokens, inputs, pairs.positions, cfg.steps, detach)
     w = pairs.weight  # [B, T-1]: logits only where step 1 takes a loss; later steps take subsets of those
     targets = pairs.targets[w]  # [P, H]
@@ -471,7 +484,7 @@ def _aligned_loss(head: DraftHead, pairs: HeadPairs, inputs: Tensor, cfg: "HassC
     q_top = q.topk(min(topk, q.shape[-1]), dim=-1) if topk is not None else None
     q_argmax = target_argmax(head, targets, q) if cfg.top1 else None  # [P] target ids
     teacher = Teacher(targets, q, topk, q_top, q_argmax, head.draft_ids)
-    terms = tuple(step_terms(out[w], head.logits(out[w]), teacher, t >= j - 1, cfg.top1, cfg.compile)
+    terms = tuple(step_terms(regressed(out[w]), head.logits(out[w]), teacher, t >= j - 1, cfg.top1, cfg.compile)
                   for j, out in enumerate(outputs, start=1))
     return LossOutput(loss=torch.stack([_weighted(s, cfg, j) for j, s in enumerate(terms)]).sum(), steps=terms)
 
@@ -491,7 +504,8 @@ def eagle3_loss(head: DraftHead, batch: TrainBatch, cfg: Eagle3Config = Eagle3Co
     if noise is not None:
         raise ValueError("EAGLE-3 training adds no input noise")
     pairs = head_pairs(batch)
-    return _aligned_loss(head, pairs, head.fuse(pairs.features), cfg, topk=None, detach=cfg.detach)
+    return _aligned_loss(head, pairs, head.fuse(pairs.features), cfg, topk=None, detach=cfg.detach,
+                         regressed=head.norm)  # the feature term reads the normed output (Eagle3Config)
 
 
 # ---- pooling over processes and micro-batches ---------------------------------------------------

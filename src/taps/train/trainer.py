@@ -53,7 +53,8 @@ BACKBONES = ("eagle2", "hass", "eagle3")
 # order, keep_epoch_heads) may change between runs.
 CONTENT_FIELDS = ("backbone", "epochs", "lr", "batch_size", "grad_accum", "warmup_steps", "max_grad_norm", "max_len",
                   "heldout_frac", "hass_topk", "hass_steps", "noise_width", "seed", "mixed_precision",
-                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay", "init_from_target", "freeze_lm_head")
+                  "training_data", "draft_vocab", "ttt_steps", "ttt_decay", "init_from_target", "freeze_lm_head",
+                  "ttt_feature_weight")
 
 
 class TrainingError(RuntimeError):
@@ -77,6 +78,9 @@ class TrainConfig:
     noise_width: float = setting(0.2, "EAGLE-2 / HASS input noise (EAGLE-3 adds none)")
     ttt_steps: int = setting(7, "EAGLE-3: training-time test steps unrolled (the reference's 7)", at_least=1)
     ttt_decay: float = setting(0.8, "EAGLE-3: step j's loss weight is DECAY ** (j - 1) (the reference's 0.8)")
+    ttt_feature_weight: float = setting(
+        0.0, "EAGLE-3: add W x SmoothL1(normed step-1 output, the target's next feature) to the first step's loss "
+             "(EAGLE-2's dense feature regression at depth 1, an experiment; the reference has none)", metavar="W")
     init_from_target: bool = setting(
         True, "EAGLE-3: start the head's norm and LM head from the target's final norm and LM-head rows "
               "(--no-init-from-target: random, as the reference)")
@@ -108,6 +112,9 @@ class TrainConfig:
             raise ValueError(f"noise_width must be >= 0, got {self.noise_width}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must lie in (0, 1], got {self.ttt_decay}")
+        if self.ttt_feature_weight < 0 or (self.ttt_feature_weight and self.backbone != "eagle3"):
+            raise ValueError("ttt_feature_weight (option --ttt-feature-weight) must be >= 0 and is EAGLE-3's "
+                             f"(--backbone eagle3), got {self.ttt_feature_weight} with --backbone {self.backbone}")
         if self.freeze_lm_head and (self.backbone != "eagle3" or not self.init_from_target):
             raise ValueError("freeze_lm_head (option --freeze-lm-head) keeps an EAGLE-3 head's own LM head at the "
                              "target's rows: it needs --backbone eagle3 and the init from the target")
@@ -120,7 +127,7 @@ class TrainConfig:
         common["compile"] = self.compile_loss
         if self.backbone == "eagle3":
             return Eagle3Config(steps=depths or self.ttt_steps, step_decay=self.ttt_decay, top1=common["top1"],
-                                compile=self.compile_loss)
+                                compile=self.compile_loss, feature_weight=self.ttt_feature_weight)
         if self.backbone == "hass":
             return HassConfig(topk=self.hass_topk, steps=depths or self.hass_steps, **common)
         if depths:
