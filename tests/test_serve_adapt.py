@@ -149,3 +149,20 @@ def test_mix_trains_on_the_heads_original_features_too(logged, target_dir, tmp_p
     capsys.readouterr()
     config = json.loads((root / "adapt" / "a" / "v1" / "train" / "config.json").read_text())
     assert config["taps"]["features"].endswith(f" + {original}[:5]")  # the logged answers, then the mix
+
+
+def test_focus_trains_on_what_the_lookup_member_misses(logged, target_dir, tmp_path, capsys):
+    """--focus lookup-misses: the fine-tune reads a copy of the features whose loss mask drops the
+    answer tokens lookup would have drafted (serve/adapt_focus.py); the run says how many it keeps
+    and records the focus in the trained head's config."""
+    root = copy_of(logged, tmp_path)
+    assert main(adapt_args(root, target_dir, logged["base"], "--epochs", "1", "--focus", "lookup-misses")) == 0
+    out = capsys.readouterr().out
+    work = root / "adapt" / "a" / "v1"
+    focus = json.loads((work / "features-lookup-misses" / "manifest.json").read_text())["focus"]
+    kept = focus["answer_tokens"] - focus["covered"]
+    assert f"the loss takes the {kept} of {focus['answer_tokens']} answer tokens" in out
+    assert 0 < kept < focus["answer_tokens"]  # 30 answers of one shape: lookup drafts part of each
+    config = json.loads((work / "train" / "config.json").read_text())
+    assert config["taps"]["training_data"].endswith("(lookup-misses)")
+    assert config["taps"]["features"].startswith(str(work / "features-lookup-misses"))

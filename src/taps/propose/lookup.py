@@ -111,6 +111,11 @@ class LookupProposer:
         self._device = tokens.device
         self._append(tokens.tolist())
 
+    def advance(self, tokens: list[int]) -> None:
+        """Extend the sequence without judging a tree: for a caller that replays a known answer
+        token by token (serve/adapt_focus.py), where no tree was verified."""
+        self._append(tokens)
+
     def continuations(self) -> list[list[int]]:
         """Up to top_k candidate continuations, best first (longest match, then most recent)."""
         seq, depth, found, seen = self._seq, self.tree.depth, [], set()

@@ -36,6 +36,8 @@ from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from taps.drafter.head import EagleHead
 from taps.core.jsonl import read_json, read_json_lines, write_json_atomic, write_jsonl
 from taps.propose.single import SingleProposer
+from taps.data.chat import special_ids
+from taps.serve.adapt_focus import FOCUS, focus_features
 from taps.serve.answer_log import read_log
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, head_versions
 from taps.core.target import TargetRef
@@ -57,12 +59,16 @@ class AdaptSettings:
     batch_size: int = setting(4, at_least=1)
     max_len: int = setting(1024, "cut each record to this many tokens", at_least=1)
     max_new_tokens: int = setting(256, "held-out evaluation: the most tokens decoded per prompt", at_least=1)
+    focus: str = setting("all", "the answer tokens the loss takes: all, or lookup-misses, those the lookup member "
+                                "would not have drafted as its first choice (serve/adapt_focus.py)", choices=FOCUS)
     seed: int = setting(0)
 
     def __post_init__(self) -> None:
         check_at_least(self)
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.focus not in FOCUS:
+            raise ValueError(f"--focus must be one of {', '.join(FOCUS)}, got {self.focus!r}")
 
 
 def _latest(root: Path, name: str, base: str | None) -> tuple[str, str]:
@@ -137,9 +143,16 @@ def adapt(root: str | Path, name: str, target: TargetRef, base: str | None = Non
     if not isinstance(old, EagleHead):
         raise AdaptError(f"{plan['from_dir']}: an EAGLE-3 head; taps adapt fine-tunes EAGLE-2 / HASS heads")
     extract_features(loaded, work / "train.jsonl", work / "features", FeatureSettings(max_len=settings.max_len))
+    features = work / "features"
+    if settings.focus == "lookup-misses":
+        focus = focus_features(features, work / "features-lookup-misses", special_ids(loaded.tokenizer))
+        say(f"taps adapt: the loss takes the {focus['answer_tokens'] - focus['covered']} of {focus['answer_tokens']} "
+            "answer tokens the lookup member misses")
+        features = work / "features-lookup-misses"
     cfg = TrainConfig(epochs=settings.epochs, lr=settings.lr, batch_size=settings.batch_size, warmup_steps=0,
-                      max_len=settings.max_len, seed=settings.seed, training_data=f"taps serve log {root}")
-    trainer = Trainer(loaded, [str(work / "features"), *mix], work / "train", cfg, start_from=old)
+                      max_len=settings.max_len, seed=settings.seed,
+                      training_data=f"taps serve log {root}" + ("" if settings.focus == "all" else f" ({settings.focus})"))
+    trainer = Trainer(loaded, [str(features), *mix], work / "train", cfg, start_from=old)
     if trainer.resume():
         say(f"taps adapt: resumed training at step {trainer.step}/{trainer.total_steps}")
     trained = trainer.fit(progress=False)
