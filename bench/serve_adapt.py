@@ -89,7 +89,8 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
                 start = time.perf_counter()
                 done = subprocess.run([sys.executable, "-m", "taps", "adapt", str(learn), "--head", args.head,
                                        "--target", args.target, "--base", head_dir, "--holdout", str(args.holdout),
-                                       "--device", args.device, "--focus", args.focus], capture_output=True, text=True)
+                                       "--device", args.device, "--focus", args.focus, "--judge", args.judge],
+                                      capture_output=True, text=True)
                 adapted = {"seconds": round(time.perf_counter() - start, 1), "rc": done.returncode,
                            "output": (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()[-1:]}
                 print(f"  {name}: adapt after {i} requests: {adapted}", flush=True)
@@ -141,6 +142,8 @@ def main() -> int:
     p.add_argument("--holdout", type=int, default=20)
     p.add_argument("--focus", default="all", choices=["all", "lookup-misses"],
                    help="taps adapt --focus: the answer tokens its loss takes")
+    p.add_argument("--judge", default="head", choices=["head", "merge"],
+                   help="taps adapt --judge: the held-out acceptance of the head alone or merged with lookup")
     p.add_argument("--check-after", type=int, default=20, help="the server's rollback window (--learn-check-after)")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--data-dir", default=os.environ.get("TAPS_DATA_DIR") or "../shared/data")

@@ -166,3 +166,30 @@ def test_focus_trains_on_what_the_lookup_member_misses(logged, target_dir, tmp_p
     config = json.loads((work / "train" / "config.json").read_text())
     assert config["taps"]["training_data"].endswith("(lookup-misses)")
     assert config["taps"]["features"].startswith(str(work / "features-lookup-misses"))
+
+
+def test_judge_merge_scores_the_versions_as_a_learn_server_serves_them(logged, target_dir, tmp_path, capsys):
+    """--judge merge: before and after are the acceptance of merge-budget:HEAD,lookup over a
+    datastore of the training answers only (judge-store/), kept beside the head-alone keys; the
+    verdict follows them. The merged figure differs from the head alone's (lookup drafts too)."""
+    from taps.propose.rest import Datastore
+
+    root = copy_of(logged, tmp_path)
+    assert main(adapt_args(root, target_dir, logged["base"], "--epochs", "1", "--judge", "merge")) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    work = root / "adapt" / "a" / "v1"
+    scores = json.loads((work / "eval.json").read_text())
+    assert set(scores) == {"before_merge", "after_merge"}
+    assert "merged with lookup + the training answers' datastore" in line
+    assert f"{scores['before_merge']:.3f} (v0) -> {scores['after_merge']:.3f}" in line
+    assert ("wrote" in line) == (scores["after_merge"] > scores["before_merge"])
+    train = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()]
+    store = Datastore.load(work / "judge-store")
+    plan = json.loads((work / "plan.json").read_text())
+    assert store.manifest["segments"] == len(train) == plan["train_records"]  # not the held-out answers
+    # the same log judged alone (the default): another figure for the same old head
+    alone = copy_of(logged, tmp_path / "alone")
+    assert main(adapt_args(alone, target_dir, logged["base"], "--epochs", "1")) == 0
+    capsys.readouterr()
+    head_scores = json.loads((alone / "adapt" / "a" / "v1" / "eval.json").read_text())
+    assert set(head_scores) == {"before", "after"} and head_scores["before"] != scores["before_merge"]

@@ -16,7 +16,9 @@ resumes where it stopped:
      checkpoints).
   4. eval.json: the acceptance length (generated tokens / verifier calls, greedy, float32) of the
      old and the new head on the held-out requests' prompts, each decoding as many tokens as the
-     logged answer had (at most `max_new_tokens`).
+     logged answer had (at most `max_new_tokens`): the head alone, or with `--judge merge` as a
+     --learn server serves it, merged with the lookup member over a datastore of the training
+     answers (judge-store/; not DIR/store, which holds the held-out answers too).
   5. DIR/heads/NAME/vK/ (config.json + model.safetensors, moved into place by one rename) only
      if the new head's acceptance is higher. Older versions stay: a rollback is deleting vK, or a
      `rolled_back.json` in it (serve/swap.py).
@@ -38,12 +40,17 @@ from taps.core.jsonl import read_json, read_json_lines, write_json_atomic, write
 from taps.propose.single import SingleProposer
 from taps.data.chat import special_ids
 from taps.serve.adapt_focus import FOCUS, focus_features
+from taps.propose.factory import HeadPool
+from taps.propose.rest import is_datastore, write_datastore
+from taps.propose.spec import variant_from_config
 from taps.serve.answer_log import read_log
+from taps.serve.online_store import answer_segment
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, head_versions
 from taps.core.target import TargetRef
 from taps.train.trainer import Trainer, TrainConfig
 
 ADAPT_DIR = "adapt"
+JUDGES = ("head", "merge")
 
 
 class AdaptError(ValueError):
@@ -59,6 +66,9 @@ class AdaptSettings:
     batch_size: int = setting(4, at_least=1)
     max_len: int = setting(1024, "cut each record to this many tokens", at_least=1)
     max_new_tokens: int = setting(256, "held-out evaluation: the most tokens decoded per prompt", at_least=1)
+    judge: str = setting("head", "what the held-out acceptance measures: the head alone, or merge: merged with the "
+                                 "lookup member over a datastore of the training answers, as a --learn server serves "
+                                 "it (merge-budget:HEAD,lookup, the fixed tree)", choices=JUDGES)
     focus: str = setting("all", "the answer tokens the loss takes: all, or lookup-misses, those the lookup member "
                                 "would not have drafted as its first choice (serve/adapt_focus.py)", choices=FOCUS)
     seed: int = setting(0)
@@ -67,6 +77,8 @@ class AdaptSettings:
         check_at_least(self)
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.judge not in JUDGES:
+            raise ValueError(f"--judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.focus not in FOCUS:
             raise ValueError(f"--focus must be one of {', '.join(FOCUS)}, got {self.focus!r}")
 
@@ -102,17 +114,43 @@ def _plan(root: Path, name: str, base: str | None, settings: AdaptSettings) -> t
     return work, plan
 
 
-def acceptance(target, head, records: list[dict], max_new_tokens: int, tree: TreeConfig = TreeConfig()) -> float:
+def acceptance(target, head, records: list[dict], max_new_tokens: int, tree: TreeConfig = TreeConfig(),
+               proposer=None) -> float:
     """Generated tokens / verifier calls of greedy decoding with `head` over the records' prompts
-    (each decodes as many tokens as its logged answer had, at most max_new_tokens)."""
+    (each decodes as many tokens as its logged answer had, at most max_new_tokens). `proposer`: a
+    factory of a fresh proposer per prompt, instead of `head` alone."""
     tokens = calls = 0
     for record in records:
         prompt = chat_ids(target.tokenizer, record["conversations"][:-1])
         n = max(1, min(max_new_tokens, len(record["served"]["answer_tokens"])))
         cfg = DecodeConfig(max_new_tokens=n, stop_token_ids=target.stop_token_ids())
-        result = generate(target, SingleProposer(head, tree), prompt, cfg)
+        result = generate(target, proposer() if proposer else SingleProposer(head, tree), prompt, cfg)
         tokens, calls = tokens + len(result.tokens), calls + result.verifier_calls
     return tokens / calls if calls else 0.0
+
+
+def judge_store(target, work: Path) -> Path:
+    """work/judge-store/: a datastore of the training answers, as the online store holds them
+    (serve/online_store.answer_segment), written once (a rename makes it whole)."""
+    store = work / "judge-store"
+    if not is_datastore(store):
+        special = special_ids(target.tokenizer)
+        segments = [answer_segment(chat_ids(target.tokenizer, r["conversations"][:-1]), r["served"]["answer_tokens"],
+                                   special) for _, r in read_json_lines(work / "train.jsonl", AdaptError)]
+        tmp = work / f".judge-store.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_datastore(tmp, segments, {"target": target.name,
+                                        "tokenizer_fingerprint": target.fingerprint()})
+        os.replace(tmp, store)
+    return store
+
+
+def merged_acceptance(target, head_dir: str | Path, store: Path, records: list[dict], max_new_tokens: int) -> float:
+    """acceptance() of `merge-budget:HEAD,lookup+STORE` under the fixed tree: the head as a --learn
+    server's `lookup` member drafts beside it."""
+    spec = variant_from_config("judge", f"merge-budget:{head_dir},lookup+{store}", "taps adapt --judge merge")
+    pool = HeadPool(target)
+    return acceptance(target, None, records, max_new_tokens, proposer=lambda: pool.proposer(spec, TreeConfig()))
 
 
 def _publish(trained: Path, final: Path) -> None:
@@ -158,15 +196,26 @@ def adapt(root: str | Path, name: str, target: TargetRef, base: str | None = Non
     trained = trainer.fit(progress=False)
     heldout = [row for _, row in read_json_lines(work / "heldout.jsonl", AdaptError)]
     scores = read_json(work / "eval.json", "an adapt evaluation", AdaptError) if (work / "eval.json").is_file() else {}
-    if "before" not in scores:
-        scores["before"] = acceptance(loaded, old, heldout, settings.max_new_tokens)
-        write_json_atomic(work / "eval.json", scores)
-    if "after" not in scores:
-        scores["after"] = acceptance(loaded, load_head(trained, loaded), heldout, settings.max_new_tokens)
-        write_json_atomic(work / "eval.json", scores)
-    better = scores["after"] > scores["before"]
+    # eval.json keys: before / after (the head alone), before_merge / after_merge (--judge merge)
+    suffix = "" if settings.judge == "head" else "_merge"
+    store = judge_store(loaded, work) if settings.judge == "merge" else None
+
+
+    def score(head_dir) -> float:
+        if store is not None:
+            return merged_acceptance(loaded, head_dir, store, heldout, settings.max_new_tokens)
+        return acceptance(loaded, old if head_dir == plan["from_dir"] else load_head(head_dir, loaded), heldout,
+                          settings.max_new_tokens)
+
+    for key, head_dir in ((f"before{suffix}", plan["from_dir"]), (f"after{suffix}", trained)):
+        if key not in scores:
+            scores[key] = score(head_dir)
+            write_json_atomic(work / "eval.json", scores)
+    before, after = scores[f"before{suffix}"], scores[f"after{suffix}"]
+    better = after > before
     if better and not final.exists():
         _publish(trained, final)
     verdict = f"wrote {final}" if better else f"kept {plan['from']}: no version written"
-    return (f"taps adapt: held-out acceptance length {scores['before']:.3f} ({plan['from']}) -> "
-            f"{scores['after']:.3f} (fine-tuned); {verdict}")
+    judged = "" if store is None else " merged with lookup + the training answers' datastore"
+    return (f"taps adapt: held-out acceptance length{judged} {before:.3f} ({plan['from']}) -> "
+            f"{after:.3f} (fine-tuned); {verdict}")
