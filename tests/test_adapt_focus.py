@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from taps.serve.adapt_focus import answer_spans, covered_mask, focus_features
+from taps.data.chat import answer_spans
+from taps.serve.adapt_focus import covered_mask, focus_features
 
 SPECIAL = {0}  # id 0 ends the role header in these records, as ChatML's <|im_start|> does
 

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from taps.data.chat import ChatTemplateError, encode_conversation, special_ids
+from taps.data.chat import ChatTemplateError, answer_spans, encode_conversation, special_ids
 from taps.core.testing import CHATML_TEMPLATE, tiny_tokenizer
 
 torch.set_num_threads(1)
@@ -77,18 +77,6 @@ def masked_text(tok, ids: list[int], mask: list[int]) -> str:
     return tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
 
 
-def runs(mask: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of each run of ones."""
-    out, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 @pytest.mark.parametrize("style,marked", STYLES)
 def test_mask_is_exactly_assistant_content_and_end_of_turn(style, marked):
     tok = make_tokenizer(style, marked)
@@ -97,7 +85,7 @@ def test_mask_is_exactly_assistant_content_and_end_of_turn(style, marked):
     assistants = [t["content"] for t in CONVERSATION if t["role"] == "assistant"]
     assert len(ids) == len(mask) and set(mask) == {0, 1}
     assert masked_text(tok, ids, mask) == "".join(a + eot for a in assistants)
-    spans = runs(mask)
+    spans = answer_spans(mask)
     assert len(spans) == 2  # one contiguous run per assistant turn
     eot_id = tok.convert_tokens_to_ids(eot)
     for (start, end), content in zip(spans, assistants):

@@ -45,6 +45,18 @@ def encode_conversation(tokenizer, conversations: list[dict], max_len: int | Non
     return ids, mask
 
 
+def answer_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of loss-mask 1s (encode_conversation's mask): the record's answers."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 def special_ids(tokenizer) -> set[int]:
     """Ids of every special token: the named ones and the added tokens flagged special (Llama-3's
     `<|eot_id|>` is only the latter in some releases)."""

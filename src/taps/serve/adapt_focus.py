@@ -28,24 +28,13 @@ from safetensors.torch import load_file, save_file
 
 from taps.core.config import TreeConfig
 from taps.core.jsonl import read_json, write_json_atomic
+from taps.data.chat import answer_spans
 from taps.data.features import MANIFEST
 from taps.propose.lookup import LookupProposer, LookupSpec
 from taps.propose.rest import Datastore
 from taps.serve.online_store import answer_segment
 
 FOCUS = ("all", "lookup-misses")
-
-
-def answer_spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of loss-mask 1s: the record's answers."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 def first_choice(proposer: LookupProposer) -> int | None:
