@@ -37,12 +37,12 @@ from taps.core.decode import chat_ids, generate
 from taps.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_head
 from taps.drafter.head import EagleHead
 from taps.core.jsonl import read_json, read_json_lines, write_json_atomic, write_jsonl
-from taps.propose.single import SingleProposer
 from taps.data.chat import special_ids
-from taps.serve.adapt_focus import FOCUS, focus_features
 from taps.propose.factory import HeadPool
 from taps.propose.rest import is_datastore, write_datastore
+from taps.propose.single import SingleProposer
 from taps.propose.spec import variant_from_config
+from taps.serve.adapt_focus import FOCUS, focus_features
 from taps.serve.answer_log import read_log
 from taps.serve.online_store import answer_segment
 from taps.serve.swap import HEADS_DIR, ROLLED_BACK, head_versions
@@ -199,7 +199,6 @@ def adapt(root: str | Path, name: str, target: TargetRef, base: str | None = Non
     # eval.json keys: before / after (the head alone), before_merge / after_merge (--judge merge)
     suffix = "" if settings.judge == "head" else "_merge"
     store = judge_store(loaded, work) if settings.judge == "merge" else None
-
 
     def score(head_dir) -> float:
         if store is not None:
