@@ -80,7 +80,8 @@ class TrainConfig:
     ttt_decay: float = setting(0.8, "EAGLE-3: step j's loss weight is DECAY ** (j - 1) (the reference's 0.8)")
     ttt_feature_weight: float = setting(
         0.0, "EAGLE-3: add W x SmoothL1(normed step-1 output, the target's next feature) to the first step's loss "
-             "(EAGLE-2's dense feature regression at depth 1, an experiment; the reference has none)", metavar="W")
+             "(EAGLE-2's dense feature regression at depth 1, an experiment; the reference has none; on SmolLM2 it "
+             "changed nothing: docs/eagle3.md)", metavar="W")
     init_from_target: bool = setting(
         True, "EAGLE-3: start the head's norm and LM head from the target's final norm and LM-head rows "
               "(--no-init-from-target: random, as the reference)")
