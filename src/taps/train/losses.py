@@ -193,7 +193,7 @@ class Eagle3Config:
     feature_weight: adds feature_weight * SmoothL1(norm(step-1 output), true next feature) to the
     first step's term, an experiment beyond the reference (default 0: none). EAGLE-2 supervises
     every position densely through its feature regression; EAGLE-3 drops it, and on SmolLM2 its
-    depth-1 top-1 lags EAGLE-2's while its deeper depths lead (docs/eagle3.md). The term regresses
+    depth-1 top-1 lags EAGLE-2's most (docs/eagle3.md; weight 1 changed nothing). The term regresses
     the output *after* the head's own norm (what its LM head reads, and the target's last-layer
     feature is post-norm too), so the pre-norm output, the next level's input, stays free, and only
     step 1 carries it, so the deeper steps' training-time test is unchanged.
