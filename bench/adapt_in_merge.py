@@ -4,7 +4,7 @@ answers (`merge-budget:HEAD,lookup+STORE`, `--tree auto`), on one `taps adapt` r
 
 Why: `taps adapt` judges a version by the head's own acceptance, but a server with --learn serves
 it merged with prompt lookup and the online datastore, which already draft much of what the head
-learns (docs/learn.md). The store here holds the training answers only (DIR/store would hold the
+learns (docs/learn.md). The store is `taps adapt --judge merge`'s judge-store/: the training answers only (DIR/store would hold the
 held-out answers too, and lookup would copy them).
 
 Not a test; acceptance only (no timing), greedy, one thread. Each held-out prompt decodes as
@@ -18,37 +18,27 @@ many tokens as its logged answer had (at most --max-new-tokens), as `taps adapt`
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import torch
 
-from taps.core.config import DecodeConfig, SpeculationConfig
-from taps.core.decode import chat_ids, generate
+from taps.core.config import SpeculationConfig
 from taps.core.jsonl import read_json_lines
-from taps.core.target import TargetRef, tokenizer_fingerprint
-from taps.data.chat import special_ids
+from taps.core.target import TargetRef
 from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
-from taps.propose.rest import write_datastore
 from taps.propose.spec import variant_from_config
-from taps.serve.online_store import answer_segment
+from taps.serve.adapt import acceptance, judge_store
 
 
-def acceptance(target, ref: TargetRef, variant: str, records: list[dict], max_new_tokens: int) -> tuple[int, int]:
-    """(generated tokens, verifier calls) of `variant` over the records' prompts, --tree auto."""
+def judged(target, ref: TargetRef, variant: str, records: list[dict], max_new_tokens: int) -> float:
+    """serve/adapt.acceptance of `variant` over the records' prompts, --tree auto."""
     spec = variant_from_config("judged", variant, "bench/adapt_in_merge.py")
     speculation = SpeculationConfig.of(mode="auto")
     pool = HeadPool(target, ref.attn)
     policy = tree_policy(target, pool.heads(spec).values(), speculation)
-    tokens = calls = 0
-    for record in records:
-        ids = chat_ids(target.tokenizer, record["conversations"][:-1])
-        n = max(1, min(max_new_tokens, len(record["served"]["answer_tokens"])))
-        cfg = DecodeConfig(max_new_tokens=n, stop_token_ids=target.stop_token_ids())
-        result = generate(target, pool.proposer(spec, speculation.tree, policy), ids, cfg)
-        tokens, calls = tokens + len(result.tokens), calls + result.verifier_calls
-    return tokens, calls
+    return acceptance(target, None, records, max_new_tokens,
+                      proposer=lambda: pool.proposer(spec, speculation.tree, policy))
 
 
 def main() -> None:
@@ -64,22 +54,15 @@ def main() -> None:
     work = Path(args.work)
     ref = TargetRef(args.target, "cpu", args.dtype)
     target = ref.load()
-    train = [row for _, row in read_json_lines(work / "train.jsonl")]
     heldout = [row for _, row in read_json_lines(work / "heldout.jsonl")]
-    special = special_ids(target.tokenizer)
-    segments = [answer_segment(chat_ids(target.tokenizer, r["conversations"][:-1]), r["served"]["answer_tokens"],
-                               special) for r in train]
-    with tempfile.TemporaryDirectory(prefix="adapt-in-merge-") as tmp:
-        store = Path(tmp) / "store"
-        write_datastore(store, segments, {"target": args.target,
-                                          "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer)})
-        print(f"{len(heldout)} held-out requests of {work}; store: {len(train)} training answers; {args.dtype}\n")
-        print("| head | alone | merged with lookup + store |")
-        print("| --- | ---: | ---: |")
-        for label, path in heads.items():
-            alone = acceptance(target, ref, path, heldout, args.max_new_tokens)
-            merged = acceptance(target, ref, f"merge-budget:{path},lookup+{store}", heldout, args.max_new_tokens)
-            print(f"| {label} | {alone[0] / alone[1]:.2f} | {merged[0] / merged[1]:.2f} |", flush=True)
+    store = judge_store(target, work)  # the training answers only, as `taps adapt --judge merge` builds it
+    print(f"{len(heldout)} held-out requests of {work}; store: {store}; {args.dtype}\n")
+    print("| head | alone | merged with lookup + store |")
+    print("| --- | ---: | ---: |")
+    for label, path in heads.items():
+        alone = judged(target, ref, path, heldout, args.max_new_tokens)
+        merged = judged(target, ref, f"merge-budget:{path},lookup+{store}", heldout, args.max_new_tokens)
+        print(f"| {label} | {alone:.2f} | {merged:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
