@@ -149,3 +149,19 @@ def test_data_mix_command_requires_a_source(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["data", "mix", "--out", "x.jsonl"])
     assert "--source" in capsys.readouterr().err
+
+
+def test_max_prompt_chars_caps_after_the_draw(files):
+    """The cap drops drawn records with a longer first user turn and counts them; the draw does not
+    move, so the capped mixture is the uncapped one minus exactly those records, in the same order."""
+    questions = [f"What is {i} + {i}?" for i in range(20)]  # 15 characters for i < 10, 17 from 10 on
+    reports = []
+    whole = mix_sources(["gsm8k:12"], seed=4, data_dir=files["dir"])
+    capped = mix_sources(["gsm8k:12"], seed=4, data_dir=files["dir"], max_prompt_chars=15, on_report=reports.append)
+    first = lambda r: next(t["content"] for t in r["conversations"] if t["role"] == "user")
+    assert [r["id"] for r in capped] == [r["id"] for r in whole if len(first(r)) <= 15]
+    assert 0 < len(capped) < len(whole) and all(first(r) in questions[:10] for r in capped)
+    (report,) = reports
+    assert report.dropped == {"drawn with a first prompt over 15 chars": len(whole) - len(capped)}
+    with pytest.raises(SourceSpecError, match="max-prompt-chars"):
+        mix_sources(["gsm8k:12"], seed=4, data_dir=files["dir"], max_prompt_chars=0)

@@ -120,3 +120,26 @@ def test_long_first_prompts_are_skipped_and_counted(tmp_path, target, capsys):
     assert regenerate(target, data, out, settings, progress=sys.stderr) == 2
     assert sorted(r["id"] for r in lines(out)) == ["r0", "r2"]
     assert "skipping 1 record(s)" in capsys.readouterr().err
+
+
+def test_limit_answers_the_first_n_in_answer_order_and_a_rerun_continues_it(tmp_path, target):
+    """--limit N writes the first N records in the order they are answered (shortest first when
+    batched): cut after one batch, a rerun with the same N writes exactly the rest of those N, the
+    same records and answers as one uninterrupted run, and nothing past N."""
+    data = write_records(tmp_path / "d.jsonl", n=7)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    for k, row in enumerate(rows):  # prompt lengths in reverse file order: answer order != file order
+        row["conversations"][0]["content"] = "word " * (20 - 2 * k)
+        row["conversations"][1]["content"] = "old"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    settings = RegenerateSettings(max_new_tokens=3, batch_size=2, limit=5)
+    assert regenerate(target, data, whole, settings, progress=None) == 5
+    assert [r["id"] for r in lines(whole)] == ["r6", "r5", "r4", "r3", "r2"]  # the five shortest prompts
+    assert regenerate(target, data, cut, RegenerateSettings(max_new_tokens=3, batch_size=2, limit=2),
+                      progress=None) == 2
+    assert regenerate(target, data, cut, settings, progress=None) == 3
+    assert lines(cut) == lines(whole)
+    assert regenerate(target, data, cut, settings, progress=None) == 0
+    with pytest.raises(ValueError, match="limit"):
+        RegenerateSettings(limit=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from taps.cli.args import add_settings, comma_list, device_arg, seed_int, settings_from, target_ref
+from taps.cli.args import add_settings, comma_list, device_arg, positive_int, seed_int, settings_from, target_ref
 from taps.data.datastore import build_datastore
 from taps.data.mix import mix_to_file
 from taps.data.regenerate import RegenerateSettings, regenerate_file
@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mix.add_argument("--force", action="store_true", help="replace an existing --out mixture")
     mix.add_argument("--data-dir", help=f"data directory, laid out as docs/spec.md §8 says (default: ${DATA_DIR_ENV})")
     mix.add_argument("--english", action="store_true", help="keep English conversations only (a heuristic)")
+    mix.add_argument("--max-prompt-chars", type=positive_int, metavar="N",
+                     help="after the draw, drop records whose first user turn is longer than N characters "
+                          "(counted; the draw itself does not move)")
     mix.set_defaults(func=_mix)
 
     regen = dsub.add_parser("regenerate", help="replace every assistant turn with the target's own response "
@@ -49,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _mix(args: argparse.Namespace) -> int:
     print(mix_to_file(args.source, args.seed, args.out, data_dir=args.data_dir, english=args.english, on_report=print,
-                      force=args.force))
+                      force=args.force, max_prompt_chars=args.max_prompt_chars))
     return 0
 
 

@@ -49,37 +49,54 @@ def _draw(records: list[Record], count: int | None, seed: int, spec: str, report
 
 
 def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None, english: bool = False,
-                on_report: Callable[[SourceReport], None] | None = None) -> list[Record]:
+                on_report: Callable[[SourceReport], None] | None = None,
+                max_prompt_chars: int | None = None) -> list[Record]:
     """Records drawn from every `SOURCE[:COUNT]` spec and shuffled together. Each record keeps the
     `source` tag its reader set (the source's name: sharegpt, gsm8k, ...), so a mixture can be split by
     domain again. `english` applies `english_only` to each source before drawing (counted in the
-    report as not_english). `on_report` sees each source's report once it is read."""
+    report as not_english). `max_prompt_chars` drops, after the draw, the drawn records whose first
+    user turn is longer (counted as prompt_over_N_chars): the draw itself does not move, so the
+    same seed and count with and without a cap give a mixture and its subsequence (eagle2-mixed-xl's
+    chat data is `sharegpt:12000` drawn with seed 15, then capped at 1,600 characters: 10,677).
+    `on_report` sees each source's report once it is read and drawn."""
+    if max_prompt_chars is not None and max_prompt_chars < 1:
+        raise SourceSpecError(f"--max-prompt-chars must be a positive integer, got {max_prompt_chars}")
     mixed: list[Record] = []
     for text in specs:
         spec, count = parse_count(text)
         records, report = load_source(spec, data_dir)
         if english:
             records = _english(records, report)
-        if on_report is not None:
-            on_report(report)
         if not records:
+            if on_report is not None:
+                on_report(report)
             raise SourceSpecError(f"--source {text}: no usable records (an empty file, or every record dropped: "
                                   f"{report.dropped or 'none read'})")
-        mixed.extend(_draw(records, count, seed, spec, report))
+        drawn = _draw(records, count, seed, spec, report)
+        if max_prompt_chars is not None:
+            over = sum(not _prompt_fits(r, max_prompt_chars) for r in drawn)
+            if over:
+                report.dropped[f"drawn with a first prompt over {max_prompt_chars:,} chars"] = over
+        if on_report is not None:
+            on_report(report)
+        mixed.extend(drawn)
     random.Random(seed).shuffle(mixed)
+    if max_prompt_chars is not None:  # after the shuffle too, so the uncapped order is kept
+        mixed = [r for r in mixed if _prompt_fits(r, max_prompt_chars)]
     return mixed
 
 
 def mix_to_file(specs: list[str], seed: int, out: str | Path, data_dir: str | Path | None = None,
                 english: bool = False, on_report: Callable[[SourceReport], None] | None = None,
-                force: bool = False) -> str:
+                force: bool = False, max_prompt_chars: int | None = None) -> str:
     """`taps data mix`: mix_sources written to `out` atomically; returns what was written. `out`
     must not be a source, nor anything but a regular file, and an existing mixture is replaced only
     with `force` (taps.core.outputs)."""
     check_output_file(out, "--out", [(f"--source {text}", path) for text, path in _source_files(specs)],
                       force=force, holds=lambda path: first_line_is(path, ("conversations",)),
                       what="records (JSONL of conversations)")
-    records = mix_sources(specs, seed, data_dir=data_dir, english=english, on_report=on_report)
+    records = mix_sources(specs, seed, data_dir=data_dir, english=english, on_report=on_report,
+                          max_prompt_chars=max_prompt_chars)
     return f"wrote {len(records):,} records to {write_jsonl(records, out)}"
 
 
@@ -102,3 +119,6 @@ def _english(records: list[Record], report: SourceReport) -> list[Record]:
     return kept
 
 
+def _prompt_fits(record: Record, cap: int) -> bool:
+    """Whether the record's first user turn has at most `cap` characters."""
+    return len(next((t["content"] for t in record["conversations"] if t["role"] == "user"), "")) <= cap

@@ -58,6 +58,9 @@ class RegenerateSettings:
     max_turns: int | None = setting(None, "keep the first K user turns of each conversation", at_least=1)
     max_prompt_tokens: int | None = setting(None, "skip records whose first prompt (chat template included) is "
                                                   "longer; they are counted", at_least=1)
+    limit: int | None = setting(None, "answer at most N records in all, the first N in the order they are answered "
+                                      "(shortest first when batched): a run cut at N reproduces, and a rerun "
+                                      "continues, the same N", at_least=1)
 
     def __post_init__(self) -> None:
         check_at_least(self)
@@ -117,6 +120,8 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
     step = settings.batch_size
     if step > 1:  # similar prompt lengths share a batch: less padding (the output order follows)
         todo.sort(key=lambda item: len(json.dumps(item[1]["conversations"])))
+    if settings.limit is not None:  # the records already written were this order's prefix, so the rest continues it
+        todo = todo[:max(0, settings.limit - done)]
     for n0 in range(0, len(todo), step):
         chunk = todo[n0:n0 + step]
         if step == 1:
@@ -264,9 +269,9 @@ def regenerate_endpoint(endpoint: Endpoint, data: str | Path, out: str | Path,
 
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-    if settings.batch_size > 1 or settings.max_prompt_tokens is not None:
-        raise ValueError("--batch-size and --max-prompt-tokens are for the local path; with --endpoint the server "
-                         "batches, and refuses prompts beyond its context window")
+    if settings.batch_size > 1 or settings.max_prompt_tokens is not None or settings.limit is not None:
+        raise ValueError("--batch-size, --max-prompt-tokens and --limit are for the local path; with --endpoint the "
+                         "server batches, refuses prompts beyond its context window, and answers finish out of order")
     data, out = Path(data), Path(out)
     total, done, todo = _pending(data, out, settings)
     if not todo:
