@@ -69,6 +69,10 @@ def test_templates_and_bad_keys():
         study_from_dict({**base, "eval": {"temperature": [0]}})
     with pytest.raises(StudyConfigError, match="drafters.recipe: unknown key.*epoch"):
         study_from_dict({**base, "drafters": {"out": "d", "recipe": {"epoch": 3}}})
+    with pytest.raises(StudyConfigError, match="drafters.recipe.xl: unknown key.*chat_limt"):
+        study_from_dict({**base, "drafters": {"out": "d", "recipe": {"xl": {"chat_limt": 3}}}})
+    assert study_from_dict({**base, "drafters": {"out": "d", "recipe": {"xl": {"chat_limit": 3}}}}) \
+        .drafter_recipe["xl"] == {"chat_limit": 3}
     with pytest.raises(StudyConfigError, match="drafters.jobs must be an integer >= 1, got 0"):
         study_from_dict({**base, "drafters": {"out": "d", "jobs": 0}})
     with pytest.raises(StudyConfigError, match="missing key 'variants'"):

@@ -42,13 +42,13 @@ def test_drafter_recipe_end_to_end(tmp_path, data_dir, target_dir):
 def test_heads_taken_longest_first():
     from taps.train.family import EAGLE3_COST, head_costs, longest_first
 
-    costs = head_costs({"chat": 900, "math": 300})
+    costs = head_costs({"chat": 900, "math": 300, "xl-chat": 2000, "xl-math": 1000})
     assert costs[("hass", "mixed-large")] == 3 * 1200 and costs[("eagle2", "mixed-small")] == 600
-    assert costs[("eagle3", "chat")] == EAGLE3_COST * 900
+    assert costs[("eagle3", "chat")] == EAGLE3_COST * 900 and costs[("eagle2", "mixed-xl")] == 3000
     order = longest_first(list(costs), costs)
     assert sorted(order) == sorted(costs)
     assert [costs[h] for h in order] == sorted(costs.values(), reverse=True)
-    assert order[0] == ("eagle3", "mixed-large") and order[-1] == ("eagle2", "math")
+    assert order[0] == ("eagle3", "mixed-xl") and order[-1] == ("eagle2", "math")
 
 
 def test_drafters_in_parallel_workers_match_one_process(tmp_path, data_dir, target_dir):
@@ -215,3 +215,76 @@ def test_card_tables_quote_what_the_build_wrote(tmp_path, data_dir, target_dir):
     assert f"{entry['final']['heldout_top1_depth1']:.3f}" in heads[2] and "| 40 (" in heads[2]
     curve = epochs_table(tmp_path / "drafters").splitlines()
     assert curve[0] == "| head | epoch 1 | epoch 2 |" and curve[2].startswith("| eagle2-math | ")
+
+
+def test_mixed_xl_draws_apart_cuts_by_answer_order_and_rebuilds_from_shipped_data(tmp_path, data_dir, target_dir,
+                                                                                    monkeypatch):
+    """mixed-xl (eagle2-mixed-xl's recipe at a toy size): its own draw (seed, count, a cap on the first
+    prompt's characters), the target's answers cut at a limit in answer order (shortest first), one
+    head on both domains with the xl training settings; its shipped answers rebuild the same training
+    files without the target's generate; a bad xl recipe is refused naming the key."""
+    from taps.data.features import read_conversations
+    from taps.data.mix import mix_sources
+    from taps.data.regenerate import RegenerateSettings, regenerate
+    from taps.train import family
+    from taps.train.family import DrafterRecipe, build_drafters, ship_data
+
+    chat_source = f"sharegpt:{data_dir / 'sharegpt.json'}"
+    drawn = mix_sources([f"{chat_source}:20"], 3, english=True)
+    lengths = sorted(len(r["conversations"][0]["content"]) for r in drawn)
+    cap = lengths[len(lengths) // 2]  # about half of the draw goes over it
+    xl = {"seed": 3, "chat_count": 20, "chat_max_prompt_chars": cap, "chat_limit": 5, "math_count": 12,
+          "math_limit": 4, "epochs": 1, "batch_size": 2, "warmup_steps": 1}
+    recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=chat_source, n_per_domain=6, max_len=48, epochs=2,
+                           batch_size=4, warmup_steps=1, backbones=("eagle2",), domains=("mixed-xl",),
+                           regenerate=True, regen_batch_size=3, regen_max_new_tokens={"chat": 5, "math": 6}, xl=xl)
+    summary = build_drafters(recipe, target_dir, tmp_path / "drafters", tmp_path / "work")
+    work = tmp_path / "work"
+    assert set(summary["drafters"]) == {"eagle2-mixed-xl"} and summary["drafters"]["eagle2-mixed-xl"]["records"] == 9
+    assert not (work / "chat.jsonl").exists()  # the family's own draws are not needed
+    chat = read_conversations(work / "xl-chat.jsonl")
+    assert [r["id"] for r in chat] == [r["id"] for r in drawn if len(r["conversations"][0]["content"]) <= cap]
+    assert 5 < len(chat) < 20
+    target = Target.load(target_dir, device="cpu", dtype="float32")
+    for source, limit, tokens in (("xl-chat", 5, 5), ("xl-math", 4, 6)):
+        cut = tmp_path / f"{source}-cut.jsonl"
+        regenerate(target, work / f"{source}.jsonl", cut,
+                   RegenerateSettings(max_new_tokens=tokens, batch_size=3, limit=limit), progress=None)
+        assert read_conversations(work / f"{source}.train.jsonl") == read_conversations(cut)  # answer order kept
+        assert (work / f"features-{source}" / "manifest.json").is_file()
+    metrics = [json.loads(x) for x in (tmp_path / "drafters" / "eagle2-mixed-xl" / "metrics.jsonl").read_text().splitlines()]
+    assert max(row.get("epoch", 0) for row in metrics) == 1  # xl's epochs, not the family's 2
+
+    shipped = ship_data(work, tmp_path / "ship", domains=("xl-chat", "xl-math"))
+    assert [p.name for p in shipped] == ["xl-chat.train.jsonl.gz", "xl-math.train.jsonl.gz"]
+
+    def no_regeneration(*args, **kwargs):
+        raise AssertionError("regenerate() called although the shipped data is present")
+
+    monkeypatch.setattr(family, "regenerate", no_regeneration)
+    again = replace(recipe, xl={**xl, "shipped_data": {"chat": str(shipped[0]), "math": str(shipped[1])}})
+    build_drafters(again, target_dir, tmp_path / "drafters2", tmp_path / "work2")
+    for source in ("xl-chat", "xl-math"):
+        assert read_conversations(tmp_path / "work2" / f"{source}.train.jsonl") == \
+            read_conversations(work / f"{source}.train.jsonl")
+    with pytest.raises(ValueError, match="more than this recipe's limit of 3"):
+        build_drafters(replace(again, xl={**again.xl, "chat_limit": 3}), target_dir, tmp_path / "d3", tmp_path / "w3")
+    with pytest.raises(ValueError, match="xl: unknown key 'chat_limt'"):
+        build_drafters(replace(recipe, xl={**xl, "chat_limt": 4}), target_dir, tmp_path / "d4", tmp_path / "w4")
+    with pytest.raises(ValueError, match="mixed-xl needs the recipe's xl settings"):
+        build_drafters(replace(recipe, xl=None), target_dir, tmp_path / "d5", tmp_path / "w5")
+    with pytest.raises(ValueError, match="needs regenerate: true"):
+        build_drafters(replace(recipe, regenerate=False), target_dir, tmp_path / "d6", tmp_path / "w6")
+
+
+def test_xl_settings_bind_only_a_build_with_mixed_xl_heads(tmp_path):
+    """drafters.json refuses a change of the xl settings where a mixed-xl head was trained with
+    them, and ignores it where none was (the family's heads do not depend on it)."""
+    from taps.train.family import DrafterRecipe, _record, check_same_recipe
+
+    recipe = DrafterRecipe(xl={"seed": 15})
+    _record(tmp_path, recipe, "eagle2-math", {})
+    check_same_recipe(tmp_path, replace(recipe, xl={"seed": 16}))
+    _record(tmp_path, recipe, "eagle2-mixed-xl", {})
+    with pytest.raises(ValueError, match="trained with xl = "):
+        check_same_recipe(tmp_path, replace(recipe, xl={"seed": 16}))

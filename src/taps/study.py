@@ -38,7 +38,7 @@ from taps.core.jsonl import decode_utf8
 from taps.propose.spec import VariantSpec, VariantSpecError, variant_from_config
 from taps.core.target import TargetRef
 from taps.core.targets import KNOWN_TARGETS, find_gguf, resolve_target
-from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, build_drafters
+from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, XlRecipe, build_drafters
 
 STAGES = STUDY_STAGES
 # what changes when a new embedded default ships (target or drafter weights): `taps demo` in its
@@ -247,6 +247,9 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     recipe = _recipe_fields(f"{source}: drafters.recipe", drafters.get("recipe"), DrafterRecipe)
     if recipe is not None:  # the heads trained are those the variants name, unless the recipe says otherwise
         recipe.setdefault("backbones", list(backbones))
+        if recipe.get("xl") is not None:
+            xl = _check_keys(f"{source}: drafters.recipe.xl", recipe["xl"], set(XlRecipe.__dataclass_fields__))
+            recipe["xl"] = dict(xl)
     return Study(name=str(top["name"]), out=Path(top["out"]), target=Path(target["path"]), drafters=drafters_dir,
                  variants=variants, benches=list(benches), settings=settings,
                  data_dir=data_dir or top.get("data_dir") or os.environ.get("TAPS_DATA_DIR"),

@@ -6,6 +6,7 @@ and four training sets, in the paper's proportions at any scale (N records per d
     math         N GSM8K-train problems (our offline stand-in for MathInstruct)
     mixed-small  N/2 chat + N/2 math   (the paper's 35k + 35k)
     mixed-large  N chat + N math       (the paper's 70k + 70k)
+    mixed-xl     a larger draw of both, made apart (`xl`, XlRecipe): eagle2-mixed-xl's data
 
 With `regenerate`, the target first answers every prompt itself (batched; docs/spec.md §1: the
 head then learns the target's own distribution rather than the data set's responses), and the
@@ -35,8 +36,52 @@ from taps.core.jsonl import read_json, read_jsonl, write_json_atomic, write_json
 from taps.core.target import Target
 from taps.train.trainer import TrainConfig, Trainer, writer_lock
 
-DOMAINS = ("chat", "math", "mixed-small", "mixed-large")
+DOMAINS = ("chat", "math", "mixed-small", "mixed-large")  # the family: a recipe's default domains
+ALL_DOMAINS = DOMAINS + ("mixed-xl",)  # mixed-xl needs the recipe's `xl` and regeneration
 BACKBONES = ("eagle2", "hass", "eagle3")
+
+
+@dataclass(frozen=True)
+class XlRecipe:
+    """The mixed-xl head's data and training, apart from the family's N per domain (defaults:
+    eagle2-mixed-xl's recipe, models/smollm2-135m-instruct/README.md). Its chat data is
+    `chat_count` English conversations of the recipe's chat source drawn with `seed`, those whose
+    first prompt is longer than `chat_max_prompt_chars` taken out after the draw; its math data
+    `math_count` records of the math source (None: all). The target answers both, shortest prompt
+    first when batched, and the first `chat_limit` / `math_limit` answers are kept, in that order
+    (a GPU's time limit cut the original there). One head then trains on both with its own epochs,
+    batch size and warm-up (more data takes a larger batch). `shipped_data` ({chat, math}: file)
+    names the answers shipped with the heads: present, they skip regeneration."""
+    seed: int = 15
+    chat_count: int = 12000
+    chat_max_prompt_chars: int | None = 1600
+    chat_limit: int | None = 8192
+    math_count: int | None = None
+    math_limit: int | None = 6144
+    epochs: int = 3
+    batch_size: int = 32
+    warmup_steps: int = 200
+    shipped_data: dict | None = None
+
+
+def xl_recipe(recipe: "DrafterRecipe") -> XlRecipe:
+    """The recipe's `xl` mapping as an XlRecipe; an unknown key is refused by name."""
+    if not isinstance(recipe.xl, dict):
+        raise ValueError(f"mixed-xl needs the recipe's xl settings (a mapping of {', '.join(XlRecipe.__dataclass_fields__)})")
+    unknown = sorted(set(recipe.xl) - set(XlRecipe.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"xl: unknown key {unknown[0]!r}; expected one of {', '.join(XlRecipe.__dataclass_fields__)}")
+    xl = XlRecipe(**recipe.xl)
+    _check_shipped("xl.shipped_data", xl.shipped_data)
+    return xl
+
+
+def _check_shipped(where: str, shipped) -> None:
+    if shipped is None:
+        return
+    if not isinstance(shipped, dict) or set(shipped) - {"chat", "math"} or \
+            not all(isinstance(v, str) and v for v in shipped.values()):
+        raise ValueError(f"{where} must map chat and / or math to a file, got {shipped!r}")
 
 
 @dataclass
@@ -73,54 +118,87 @@ class DrafterRecipe:
     shipped_data: dict | None = None
     draft_vocab: int | None = None  # train each head over the N most frequent tokens of its data (None: all)
     keep_epoch_heads: bool = False  # keep every epoch's head in the work directory (learning curves)
+    xl: dict | None = None  # XlRecipe fields: the mixed-xl head's own draw, cut and training
 
 
 def log(msg: str) -> None:
     print(f"[drafters {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# the source domains each training set draws from
-SOURCES = {"chat": ("chat",), "math": ("math",), "mixed-small": ("chat", "math"), "mixed-large": ("chat", "math")}
+# the source domains each training set draws from (xl-chat / xl-math: mixed-xl's own draws)
+SOURCES = {"chat": ("chat",), "math": ("math",), "mixed-small": ("chat", "math"), "mixed-large": ("chat", "math"),
+           "mixed-xl": ("xl-chat", "xl-math")}
+SOURCE_NAMES = ("chat", "math", "xl-chat", "xl-math")
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """How one source domain's records are drawn and answered."""
+    spec: str  # SOURCE[:COUNT]
+    seed: int
+    english: bool
+    max_prompt_chars: int | None = None
+    limit: int | None = None  # answers kept, in answer order (None: every drawn record, in drawn order)
+    shipped: str | None = None
+
+
+def _draw(recipe: DrafterRecipe, source: str) -> _Draw:
+    kind = source.removeprefix("xl-")  # chat or math: the data set and the answer length
+    shipped = (recipe.shipped_data or {}).get(kind)
+    if source in ("chat", "math"):
+        spec = recipe.chat_source if kind == "chat" else recipe.math_source
+        return _Draw(f"{spec}:{recipe.n_per_domain}", recipe.seed, kind == "chat", shipped=shipped)
+    xl = xl_recipe(recipe)
+    shipped = (xl.shipped_data or {}).get(kind)
+    if kind == "chat":
+        return _Draw(f"{recipe.chat_source}:{xl.chat_count}", xl.seed, True, xl.chat_max_prompt_chars, xl.chat_limit,
+                     shipped)
+    spec = recipe.math_source if xl.math_count is None else f"{recipe.math_source}:{xl.math_count}"
+    return _Draw(spec, xl.seed, False, None, xl.math_limit, shipped)
 
 
 def _domain_data(recipe: DrafterRecipe, work: Path, target=None, sources=("chat", "math")) -> dict[str, Path]:
     files = {}
-    for domain, source, english in (("chat", recipe.chat_source, True), ("math", recipe.math_source, False)):
-        if domain not in sources:
+    for source in SOURCE_NAMES:
+        if source not in sources:
             continue
-        path = work / f"{domain}.jsonl"
+        draw = _draw(recipe, source)
+        path = work / f"{source}.jsonl"
         if not path.is_file():
-            records = mix_sources([f"{source}:{recipe.n_per_domain}"], recipe.seed, recipe.data_dir, english=english,
-                                  on_report=lambda r: log(str(r)))
+            records = mix_sources([draw.spec], draw.seed, recipe.data_dir, english=draw.english,
+                                  on_report=lambda r: log(str(r)), max_prompt_chars=draw.max_prompt_chars)
             write_jsonl(records, path)
-            log(f"{domain}: {len(records)} records -> {path}")
-        files[domain] = _regenerated(recipe, target, domain, path) if recipe.regenerate else path
+            log(f"{source}: {len(records)} records -> {path}")
+        files[source] = _regenerated(recipe, target, source, path, draw) if recipe.regenerate else path
     return files
 
 
-def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path) -> Path:
-    """The domain's records answered by the target (resumable), in the order of `data`."""
+def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path, draw: _Draw) -> Path:
+    """The domain's records answered by the target (resumable): in the order of `data`, or, with a
+    limit, the first `limit` in the order they were answered (shortest prompt first when batched)."""
     ordered = data.with_name(f"{domain}.train.jsonl")
     if ordered.is_file():
         return ordered
-    shipped = (recipe.shipped_data or {}).get(domain)
-    if shipped and Path(shipped).is_file():
-        kept = shipped_answers(Path(shipped), data)
+    if draw.shipped and Path(draw.shipped).is_file():
+        kept = shipped_answers(Path(draw.shipped), data, drawn_order=draw.limit is None, limit=draw.limit)
         write_jsonl(kept, ordered)
-        log(f"{domain}: {len(kept)} regenerated records from {shipped} (shipped: regeneration skipped) -> {ordered}")
+        log(f"{domain}: {len(kept)} regenerated records from {draw.shipped} (shipped: regeneration skipped) -> {ordered}")
         return ordered
-    if shipped:
-        log(f"{domain}: {shipped} is absent: regenerating")
+    if draw.shipped:
+        log(f"{domain}: {draw.shipped} is absent: regenerating")
     answers = data.with_name(f"{domain}.regenerated.jsonl")
-    limit = recipe.regen_max_new_tokens
-    settings = RegenerateSettings(max_new_tokens=int(limit[domain] if isinstance(limit, dict) else limit),
+    kind, tokens = domain.removeprefix("xl-"), recipe.regen_max_new_tokens
+    settings = RegenerateSettings(max_new_tokens=int(tokens[kind] if isinstance(tokens, dict) else tokens),
                                   temperature=recipe.regen_temperature, seed=recipe.seed,
                                   batch_size=recipe.regen_batch_size, max_turns=recipe.regen_max_turns,
-                                  max_prompt_tokens=recipe.regen_max_prompt_tokens)
+                                  max_prompt_tokens=recipe.regen_max_prompt_tokens, limit=draw.limit)
     log(f"{domain}: regenerating the answers with the target ({settings})")
     regenerate(target, data, answers, settings)
-    by_id = {str(r["id"]): r for r in read_conversations(answers)}
-    kept = [by_id[str(r["id"])] for r in read_conversations(data) if str(r["id"]) in by_id]
+    if draw.limit is None:
+        by_id = {str(r["id"]): r for r in read_conversations(answers)}
+        kept = [by_id[str(r["id"])] for r in read_conversations(data) if str(r["id"]) in by_id]
+    else:  # the cut is by answer order: keep it
+        kept = read_conversations(answers)
     write_jsonl(kept, ordered)  # atomically: its presence means the domain's regeneration is complete
     log(f"{domain}: {len(kept)} regenerated records -> {ordered}")
     return ordered
@@ -130,12 +208,15 @@ def first_user_turn(record: dict) -> str | None:
     return next((turn.get("content") for turn in record["conversations"] if turn.get("role") == "user"), None)
 
 
-def shipped_answers(shipped: Path, data: Path) -> list[dict]:
+def shipped_answers(shipped: Path, data: Path, drawn_order: bool = True, limit: int | None = None) -> list[dict]:
     """The shipped regenerated records, checked against this draw: each answers a drawn record (same
-    id, same first user turn) and they keep the drawn order (records the recipe skipped, such as
-    over-long prompts, are absent). Another draw (seed, source, N) is refused naming the line."""
+    id, same first user turn) once, they keep the drawn order when `drawn_order` (records the recipe
+    skipped, such as over-long prompts, are absent), and there are at most `limit`. Another draw
+    (seed, source, N) is refused naming the line."""
     drawn = {str(r["id"]): (i, first_user_turn(r)) for i, r in enumerate(read_conversations(data))}
-    records, last = read_conversations(shipped), -1
+    records, last, seen = read_conversations(shipped), -1, set()
+    if limit is not None and len(records) > limit:
+        raise ValueError(f"{shipped}: {len(records):,} records, more than this recipe's limit of {limit:,}")
     for line, record in enumerate(records, start=1):
         rid = str(record.get("id"))
         if rid not in drawn:
@@ -144,15 +225,18 @@ def shipped_answers(shipped: Path, data: Path) -> list[dict]:
         index, prompt = drawn[rid]
         if first_user_turn(record) != prompt:
             raise ValueError(f"{shipped}:{line}: record {rid!r} answers another prompt than the drawn one in {data}")
-        if index <= last:
+        if rid in seen:
+            raise ValueError(f"{shipped}:{line}: record {rid!r} appears twice")
+        if drawn_order and index <= last:
             raise ValueError(f"{shipped}:{line}: record {rid!r} is out of the drawn order of {data}")
         last = index
+        seen.add(rid)
     return records
 
 
 def feature_specs(domain: str, work: Path, backbone: str, n: int) -> list[str]:
     """The features each training set uses: whole domains, or the first N/2 of each."""
-    features = {source: feature_dir(work, source, backbone) for source in ("chat", "math")}
+    features = {source: feature_dir(work, source, backbone) for source in SOURCE_NAMES}
     if domain == "mixed-small":
         return [f"{features['chat']}:{n // 2}", f"{features['math']}:{n // 2}"]
     return [str(features[source]) for source in SOURCES[domain]]
@@ -171,9 +255,10 @@ def head_costs(tokens: dict[str, int]) -> dict[tuple[str, str], float]:
     """Relative training cost of every (backbone, domain) head from the domains' feature tokens,
     for balancing heads over worker processes."""
     chat, math = tokens.get("chat", 0), tokens.get("math", 0)
-    per_domain = {"chat": chat, "math": math, "mixed-small": (chat + math) / 2, "mixed-large": chat + math}
+    per_domain = {"chat": chat, "math": math, "mixed-small": (chat + math) / 2, "mixed-large": chat + math,
+                  "mixed-xl": tokens.get("xl-chat", 0) + tokens.get("xl-math", 0)}
     cost = {"hass": HASS_COST, "eagle3": EAGLE3_COST}
-    return {(b, d): per_domain[d] * cost.get(b, 1.0) for b in BACKBONES for d in DOMAINS}
+    return {(b, d): per_domain[d] * cost.get(b, 1.0) for b in BACKBONES for d in ALL_DOMAINS}
 
 
 def longest_first(heads: list[tuple[str, str]], costs: dict[tuple[str, str], float]) -> list[tuple[str, str]]:
@@ -207,7 +292,7 @@ def _read_summary(out: Path) -> dict:
 HEAD_FIELDS = ("chat_source", "math_source", "n_per_domain", "max_len", "epochs", "lr", "batch_size",
                "warmup_steps", "seed", "dtype", "feature_dtype", "mixed_precision", "regenerate",
                "regen_max_new_tokens", "regen_max_turns", "regen_max_prompt_tokens", "regen_temperature",
-               "draft_vocab")
+               "draft_vocab", "xl")
 
 
 def check_same_recipe(out: Path, recipe: DrafterRecipe) -> None:
@@ -217,7 +302,10 @@ def check_same_recipe(out: Path, recipe: DrafterRecipe) -> None:
     saved = summary.get("recipe", {})
     if not summary.get("drafters"):
         return
+    has_xl = any(name.endswith("-mixed-xl") for name in summary["drafters"])
     for key in HEAD_FIELDS:
+        if key == "xl" and not has_xl:  # only the mixed-xl heads depend on it
+            continue
         if key in saved and saved[key] != getattr(recipe, key):
             raise ValueError(f"{out / 'drafters.json'}: its heads were trained with {key} = {saved[key]!r}, this run "
                              f"has {getattr(recipe, key)!r}; use the same setting or another --out")
@@ -245,7 +333,7 @@ def feature_dir(work: Path, domain: str, backbone: str) -> Path:
     return work / (f"features-aux-{domain}" if backbone == "eagle3" else f"features-{domain}")
 
 
-def _features(recipe: DrafterRecipe, target, work: Path, sources=("chat", "math"),
+def _features(recipe: DrafterRecipe, target, work: Path, sources=SOURCE_NAMES,
               backbones: tuple[str, ...] = ("eagle2",)) -> dict[str, int]:
     """Data and features of the source domains (skipped when done) for the pending heads'
     backbones: their token counts. Only the domains the pending heads draw from are prepared, so
@@ -269,8 +357,11 @@ def _train_head(recipe: DrafterRecipe, target, out: Path, work: Path, backbone: 
 
 
     name = f"{backbone}-{domain}"
-    cfg = TrainConfig(backbone=backbone, epochs=recipe.epochs, lr=recipe.lr, batch_size=recipe.batch_size,
-                      warmup_steps=recipe.warmup_steps, seed=recipe.seed, training_data=domain,
+    xl = xl_recipe(recipe) if domain == "mixed-xl" else None
+    epochs, batch_size, warmup = (xl.epochs, xl.batch_size, xl.warmup_steps) if xl else \
+        (recipe.epochs, recipe.batch_size, recipe.warmup_steps)
+    cfg = TrainConfig(backbone=backbone, epochs=epochs, lr=recipe.lr, batch_size=batch_size,
+                      warmup_steps=warmup, seed=recipe.seed, training_data=domain,
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision,
                       compile_loss=recipe.compile_loss, draft_vocab=recipe.draft_vocab,
                       keep_epoch_heads=recipe.keep_epoch_heads)
@@ -340,15 +431,16 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     if recipe.threads and jobs == 1:
         torch.set_num_threads(recipe.threads)
     # with --jobs, --threads is each worker's: the features (one process, before the workers) use every core
-    unknown = set(recipe.domains) - set(DOMAINS) | set(recipe.backbones) - set(BACKBONES)
+    unknown = set(recipe.domains) - set(ALL_DOMAINS) | set(recipe.backbones) - set(BACKBONES)
     if unknown:
-        raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {DOMAINS}, backbones: {BACKBONES}")
+        raise ValueError(f"unknown domain or backbone {sorted(unknown)}; domains: {ALL_DOMAINS}, backbones: {BACKBONES}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    shipped = recipe.shipped_data or {}
-    if not isinstance(shipped, dict) or set(shipped) - {"chat", "math"} or \
-            not all(isinstance(v, str) and v for v in shipped.values()):
-        raise ValueError(f"shipped_data must map chat and / or math to a file, got {shipped!r}")
+    _check_shipped("shipped_data", recipe.shipped_data or {})
+    if "mixed-xl" in recipe.domains:
+        xl_recipe(recipe)
+        if not recipe.regenerate:
+            raise ValueError("mixed-xl is cut by answer order: it needs regenerate: true")
     check_same_recipe(out, recipe)
     pending = []
     for backbone in recipe.backbones:
@@ -360,7 +452,7 @@ def build_drafters(recipe: DrafterRecipe, target_dir: str | Path, out: str | Pat
     if not pending:
         return _record(out, recipe)
     target = Target.load(target_dir, device=recipe.device, dtype=recipe.dtype)
-    sources = tuple(d for d in ("chat", "math") if any(d in SOURCES[domain] for _, domain in pending))
+    sources = tuple(s for s in SOURCE_NAMES if any(s in SOURCES[domain] for _, domain in pending))
     tokens = _features(recipe, target, work, sources, tuple(b for b, _ in pending))
     if jobs > 1 and len(pending) > 1:
         del target
