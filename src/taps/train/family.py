@@ -50,8 +50,10 @@ class XlRecipe:
     `math_count` records of the math source (None: all). The target answers both, shortest prompt
     first when batched, and the first `chat_limit` / `math_limit` answers are kept, in that order
     (a GPU's time limit cut the original there). One head then trains on both with its own epochs,
-    batch size and warm-up (more data takes a larger batch). `shipped_data` ({chat, math}: file)
-    names the answers shipped with the heads: present, they skip regeneration."""
+    batch size and warm-up (more data takes a larger batch; on a CPU, where an EAGLE-3 batch of 8
+    already holds about 12 GB, `grad_accum` micro-batches make the same global batch of
+    batch_size x grad_accum). `shipped_data` ({chat, math}: file) names the answers shipped with the
+    heads: present, they skip regeneration."""
     seed: int = 15
     chat_count: int = 12000
     chat_max_prompt_chars: int | None = 1600
@@ -60,6 +62,7 @@ class XlRecipe:
     math_limit: int | None = 6144
     epochs: int = 3
     batch_size: int = 32
+    grad_accum: int = 1
     warmup_steps: int = 200
     shipped_data: dict | None = None
 
@@ -358,9 +361,9 @@ def _train_head(recipe: DrafterRecipe, target, out: Path, work: Path, backbone: 
 
     name = f"{backbone}-{domain}"
     xl = xl_recipe(recipe) if domain == "mixed-xl" else None
-    epochs, batch_size, warmup = (xl.epochs, xl.batch_size, xl.warmup_steps) if xl else \
-        (recipe.epochs, recipe.batch_size, recipe.warmup_steps)
-    cfg = TrainConfig(backbone=backbone, epochs=epochs, lr=recipe.lr, batch_size=batch_size,
+    epochs, batch_size, accum, warmup = (xl.epochs, xl.batch_size, xl.grad_accum, xl.warmup_steps) if xl else \
+        (recipe.epochs, recipe.batch_size, 1, recipe.warmup_steps)
+    cfg = TrainConfig(backbone=backbone, epochs=epochs, lr=recipe.lr, batch_size=batch_size, grad_accum=accum,
                       warmup_steps=warmup, seed=recipe.seed, training_data=domain,
                       checkpoint_steps=recipe.checkpoint_steps, mixed_precision=recipe.mixed_precision,
                       compile_loss=recipe.compile_loss, draft_vocab=recipe.draft_vocab,
