@@ -234,7 +234,7 @@ def test_mixed_xl_draws_apart_cuts_by_answer_order_and_rebuilds_from_shipped_dat
     lengths = sorted(len(r["conversations"][0]["content"]) for r in drawn)
     cap = lengths[len(lengths) // 2]  # about half of the draw goes over it
     xl = {"seed": 3, "chat_count": 20, "chat_max_prompt_chars": cap, "chat_limit": 5, "math_count": 12,
-          "math_limit": 4, "epochs": 1, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1}
+          "math_limit": 4, "epochs": 1, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1, "max_len": 40}
     recipe = DrafterRecipe(data_dir=str(data_dir), chat_source=chat_source, n_per_domain=6, max_len=48, epochs=2,
                            batch_size=4, warmup_steps=1, backbones=("eagle2",), domains=("mixed-xl",),
                            regenerate=True, regen_batch_size=3, regen_max_new_tokens={"chat": 5, "math": 6}, xl=xl)
@@ -251,7 +251,8 @@ def test_mixed_xl_draws_apart_cuts_by_answer_order_and_rebuilds_from_shipped_dat
         regenerate(target, work / f"{source}.jsonl", cut,
                    RegenerateSettings(max_new_tokens=tokens, batch_size=3, limit=limit), progress=None)
         assert read_conversations(work / f"{source}.train.jsonl") == read_conversations(cut)  # answer order kept
-        assert (work / f"features-{source}" / "manifest.json").is_file()
+        manifest = json.loads((work / f"features-{source}" / "manifest.json").read_text())
+        assert manifest["max_len"] == 40  # xl's, not the family's 48
     metrics = [json.loads(x) for x in (tmp_path / "drafters" / "eagle2-mixed-xl" / "metrics.jsonl").read_text().splitlines()]
     assert max(row.get("epoch", 0) for row in metrics) == 1  # xl's epochs, not the family's 2
     trained = json.loads((tmp_path / "drafters" / "eagle2-mixed-xl" / "config.json").read_text())

@@ -52,8 +52,10 @@ class XlRecipe:
     (a GPU's time limit cut the original there). One head then trains on both with its own epochs,
     batch size and warm-up (more data takes a larger batch; on a CPU, where an EAGLE-3 batch of 8
     already holds about 12 GB, `grad_accum` micro-batches make the same global batch of
-    batch_size x grad_accum). `shipped_data` ({chat, math}: file) names the answers shipped with the
-    heads: present, they skip regeneration."""
+    batch_size x grad_accum). Its features are cut at `max_len` tokens (2,048: none is cut, as none
+    of the original's were; a prompt of at most 384 tokens and an answer of at most 384 fit). The original run planned 5 epochs and was cut after 3 with the learning rate
+    not yet decayed; `epochs` 3 here is a whole schedule. `shipped_data` ({chat, math}: file) names
+    the answers shipped with the heads: present, they skip regeneration."""
     seed: int = 15
     chat_count: int = 12000
     chat_max_prompt_chars: int | None = 1600
@@ -64,6 +66,7 @@ class XlRecipe:
     batch_size: int = 32
     grad_accum: int = 1
     warmup_steps: int = 200
+    max_len: int = 2048
     shipped_data: dict | None = None
 
 
@@ -345,7 +348,8 @@ def _features(recipe: DrafterRecipe, target, work: Path, sources=SOURCE_NAMES,
     kinds = sorted({"eagle3" if b == "eagle3" else "eagle2" for b in backbones})
     for domain, path in _domain_data(recipe, work, target, sources).items():
         for kind in kinds:
-            settings = FeatureSettings(max_len=recipe.max_len, dtype=recipe.feature_dtype,
+            max_len = xl_recipe(recipe).max_len if domain.startswith("xl-") else recipe.max_len
+            settings = FeatureSettings(max_len=max_len, dtype=recipe.feature_dtype,
                                        aux_layers="auto" if kind == "eagle3" else "")
             manifest = extract_features(target, path, feature_dir(work, domain, kind), settings)
             tokens[domain] = int(manifest["tokens"])
