@@ -55,7 +55,7 @@ def mix_sources(specs: list[str], seed: int, data_dir: str | Path | None = None,
     `source` tag its reader set (the source's name: sharegpt, gsm8k, ...), so a mixture can be split by
     domain again. `english` applies `english_only` to each source before drawing (counted in the
     report as not_english). `max_prompt_chars` drops, after the draw, the drawn records whose first
-    user turn is longer (counted as prompt_over_N_chars): the draw itself does not move, so the
+    user turn is longer (counted in the report): the draw itself does not move, so the
     same seed and count with and without a cap give a mixture and its subsequence (eagle2-mixed-xl's
     chat data is `sharegpt:12000` drawn with seed 15, then capped at 1,600 characters: 10,677).
     `on_report` sees each source's report once it is read and drawn."""
