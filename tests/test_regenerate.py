@@ -138,7 +138,11 @@ def test_limit_answers_the_first_n_in_answer_order_and_a_rerun_continues_it(tmp_
     assert [r["id"] for r in lines(whole)] == ["r6", "r5", "r4", "r3", "r2"]  # the five shortest prompts
     assert regenerate(target, data, cut, RegenerateSettings(max_new_tokens=3, batch_size=2, limit=2),
                       progress=None) == 2
-    assert regenerate(target, data, cut, settings, progress=None) == 3
+    import io
+
+    log = io.StringIO()
+    assert regenerate(target, data, cut, settings, progress=log) == 3
+    assert "regenerate: 5/5 records" in log.getvalue()  # the progress counts what --limit keeps, not the file
     assert lines(cut) == lines(whole)
     assert regenerate(target, data, cut, settings, progress=None) == 0
     with pytest.raises(ValueError, match="limit"):

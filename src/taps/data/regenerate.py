@@ -122,6 +122,7 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
         todo.sort(key=lambda item: len(json.dumps(item[1]["conversations"])))
     if settings.limit is not None:  # the records already written were this order's prefix, so the rest continues it
         todo = todo[:max(0, settings.limit - done)]
+    total = done + len(todo)  # what the output will hold: the skipped records and those past --limit not counted
     for n0 in range(0, len(todo), step):
         chunk = todo[n0:n0 + step]
         if step == 1:
