@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from taps.data.english import english_only
-from taps.data.sources import Record, SourceReport, SourceSpecError, load_source
+from taps.data.sources import Record, SourceReport, SourceSpecError, first_user_turn, load_source
 from taps.core.jsonl import write_jsonl
 from taps.core.outputs import check_output_file, first_line_is
 
@@ -121,4 +121,4 @@ def _english(records: list[Record], report: SourceReport) -> list[Record]:
 
 def _prompt_fits(record: Record, cap: int) -> bool:
     """Whether the record's first user turn has at most `cap` characters."""
-    return len(next((t["content"] for t in record["conversations"] if t["role"] == "user"), "")) <= cap
+    return len(first_user_turn(record) or "") <= cap

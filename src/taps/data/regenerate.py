@@ -103,7 +103,7 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
                proposer=None, progress=sys.stderr) -> int:
     """Regenerate every record of `data` not yet in `out`; returns how many were written now."""
     data, out = Path(data), Path(out)
-    total, done, todo = _pending(data, out, settings)
+    _, done, todo = _pending(data, out, settings)
     base = DecodeConfig(max_new_tokens=settings.max_new_tokens,
                         sampling=SamplingConfig(settings.temperature, settings.top_p),
                         stop_token_ids=target.stop_token_ids())

@@ -55,6 +55,11 @@ _WS = re.compile(r"[ \t\n\r]*")  # JSON's own whitespace
 _PARTIAL_TOKEN = re.compile(r"|[-.]|[eE][-+]?|t(r(u)?)?|f(a(l(s)?)?)?|n(u(l)?)?|u[0-9a-fA-F]{0,4}")
 
 
+def first_user_turn(record: Record) -> str | None:
+    """The content of a record's first user turn (None: it has none)."""
+    return next((turn.get("content") for turn in record["conversations"] if turn.get("role") == "user"), None)
+
+
 class DataFormatError(ValueError):
     """Malformed input; the message names the file, the line or array index, and what was expected."""
 

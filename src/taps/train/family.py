@@ -32,6 +32,7 @@ from taps.core import workers
 from taps.data.features import FeatureSettings, extract_features, read_conversations
 from taps.data.mix import mix_sources
 from taps.data.regenerate import RegenerateSettings, regenerate
+from taps.data.sources import first_user_turn
 from taps.core.jsonl import read_json, read_jsonl, write_json_atomic, write_jsonl
 from taps.core.target import Target
 from taps.train.trainer import TrainConfig, Trainer, writer_lock
@@ -150,10 +151,10 @@ class _Draw:
 
 def _draw(recipe: DrafterRecipe, source: str) -> _Draw:
     kind = source.removeprefix("xl-")  # chat or math: the data set and the answer length
-    shipped = (recipe.shipped_data or {}).get(kind)
     if source in ("chat", "math"):
         spec = recipe.chat_source if kind == "chat" else recipe.math_source
-        return _Draw(f"{spec}:{recipe.n_per_domain}", recipe.seed, kind == "chat", shipped=shipped)
+        return _Draw(f"{spec}:{recipe.n_per_domain}", recipe.seed, kind == "chat",
+                     shipped=(recipe.shipped_data or {}).get(kind))
     xl = xl_recipe(recipe)
     shipped = (xl.shipped_data or {}).get(kind)
     if kind == "chat":
@@ -208,10 +209,6 @@ def _regenerated(recipe: DrafterRecipe, target, domain: str, data: Path, draw: _
     write_jsonl(kept, ordered)  # atomically: its presence means the domain's regeneration is complete
     log(f"{domain}: {len(kept)} regenerated records -> {ordered}")
     return ordered
-
-
-def first_user_turn(record: dict) -> str | None:
-    return next((turn.get("content") for turn in record["conversations"] if turn.get("role") == "user"), None)
 
 
 def shipped_answers(shipped: Path, data: Path, drawn_order: bool = True, limit: int | None = None) -> list[dict]:
