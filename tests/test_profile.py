@@ -71,8 +71,9 @@ def test_profile_times_contexts_and_splits_a_verify_step(target, tmp_path):
     for path in result["verify_split"].values():
         parts = path["128"]
         assert parts["total"] > 0 and parts["attention"] > 0 and parts["cache append"] > 0 and parts["mask"] > 0
+        # each of the five figures is rounded to 3 decimals on its own: they may disagree by 5 x 0.0005
         assert parts["other"] == pytest.approx(parts["total"] - parts["mask"] - parts["attention"]
-                                               - parts["cache append"], abs=2e-3)
+                                               - parts["cache append"], abs=2.5e-3 + 1e-9)
     assert target.tree_attention and target.length == 0  # the comparison left the Target as it was
 
 
