@@ -110,6 +110,33 @@ def test_sliding_windows_are_exact(arch_kwargs, attn, spy):
         assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("arch_kwargs", [("llama", ()), ("mistral", (("sliding_window", 300),))])
+@pytest.mark.parametrize("prefix", [100, 1000])
+def test_one_node_forwards_are_exact_on_either_path(fused, arch_kwargs, prefix, monkeypatch):
+    """A one-node forward (plain decoding's step) through SDPA's fused kernel or the matmul path
+    equals the library's own forward; the rule is asked only where no key falls outside a window."""
+    asked = []
+    monkeypatch.setattr(attention, "fused_one_node", lambda p: asked.append(p) or fused)
+    arch, kwargs = arch_kwargs
+    model = long_model(arch, "sdpa", **dict(kwargs))
+    ids = context(prefix, seed=11)
+    mine = tree_out(model, ids, [7], tree_path=True)
+    logits, feats = sequential_last(model, ids + [7])
+    assert torch.allclose(mine.logits[0], logits, atol=ATOL)
+    assert torch.allclose(mine.features[0], feats, atol=ATOL)
+    window = dict(kwargs).get("sliding_window")
+    cut = window is not None and prefix >= window  # keys before the window: the matmul path's band
+    assert asked == ([] if cut else [prefix] * model.config.num_hidden_layers)
+
+
+def test_one_node_rule_reads_the_thread_count(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert attention.fused_one_node(639) and not attention.fused_one_node(640)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert attention.fused_one_node(1023) and not attention.fused_one_node(1024)
+
+
 class NoisyChain:
     """Proposes the reference continuation with a wrong token at a varying depth, so accepted
     lengths vary and the committed context grows by different amounts each step."""
