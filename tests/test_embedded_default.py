@@ -124,8 +124,7 @@ def test_the_familys_training_data_ships_and_answers_the_configs_draw(tmp_path):
 def test_the_xl_data_that_ships_answers_the_configs_xl_draw(tmp_path):
     """The xl answers shipped so far (configs/smollm2.yaml, drafters.recipe.xl.shipped_data) answer the
     xl recipe's own draw, as a build checks them: every id drawn, every prompt the drawn one, no more
-    than the recipe's cut, in answer order (shortest prompt first). The math half ships; the chat half
-    is checked once it does."""
+    than the recipe's cut, in answer order (shortest prompt first). Both halves ship."""
     from taps.core.jsonl import write_jsonl
     from taps.data.features import read_conversations
     from taps.data.mix import mix_sources
@@ -138,7 +137,7 @@ def test_the_xl_data_that_ships_answers_the_configs_xl_draw(tmp_path):
     xl = xl_recipe(DrafterRecipe(xl=recipe["xl"]))
     present = {kind: DEFAULT.parents[1] / path for kind, path in xl.shipped_data.items()
                if (DEFAULT.parents[1] / path).is_file()}
-    assert "math" in present
+    assert set(present) == {"math", "chat"}
     limits = {"math": xl.math_limit, "chat": xl.chat_limit}
     specs = {"math": (recipe["math_source"], False, None), "chat": (f"{recipe['chat_source']}:{xl.chat_count}", True,
                                                                    xl.chat_max_prompt_chars)}
