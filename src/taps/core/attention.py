@@ -24,7 +24,7 @@ A one-node forward (plain decoding's step: one query that sees every key) has no
 there the matmul path's dozen small operations per layer cost more than attention itself on short
 contexts: it runs SDPA's fused kernel instead, with the query heads of each key head stacked as
 above (no key copy, no mask), below `ONE_NODE_FUSED_BELOW` committed tokens. Measured on a 2-core
-AMD EPYC (bench/tree_attention.py --nodes 1; docs/long-context.md): 30 layers' attention after 128
+AMD EPYC (both ways, one process, alternating; docs/long-context.md, session 24): 30 layers' attention after 128
 tokens 0.57 ms fused against 1.50 ms, the two equal near 640 tokens at one thread and near 1,024
 at two, the matmul path ahead beyond (4.7 against 8.1 ms at 2,048). Both are exact in float32 (to
 rounding, ~3e-7); the rule depends only on the context and the thread count, so a run's numerics
