@@ -122,28 +122,27 @@ def test_the_familys_training_data_ships_and_answers_the_configs_draw(tmp_path):
 
 
 def test_the_xl_data_that_ships_answers_the_configs_xl_draw(tmp_path):
-    """The xl answers shipped so far (configs/smollm2.yaml, drafters.recipe.xl.shipped_data) answer the
+    """The xl answers (configs/smollm2.yaml, drafters.recipe.xl.shipped_data: both halves ship) answer the
     xl recipe's own draw, as a build checks them: every id drawn, every prompt the drawn one, no more
-    than the recipe's cut, in answer order (shortest prompt first). Both halves ship."""
+    than the recipe's cut, in the order regeneration answers them (shortest drawn record first)."""
     from taps.core.jsonl import write_jsonl
     from taps.data.features import read_conversations
     from taps.data.mix import mix_sources
     from taps.study import load_study
-    from taps.data.regenerate import _first_turns
+    from taps.data.regenerate import _first_turns, answer_order
     from taps.train.family import DrafterRecipe, shipped_answers, xl_recipe
 
     data_dir = DEFAULT.parents[2] / "shared" / "data"
     recipe = load_study(DEFAULT.parents[1] / "configs" / "smollm2.yaml").drafter_recipe
     xl = xl_recipe(DrafterRecipe(xl=recipe["xl"]))
-    present = {kind: DEFAULT.parents[1] / path for kind, path in xl.shipped_data.items()
-               if (DEFAULT.parents[1] / path).is_file()}
-    assert set(present) == {"math", "chat"}
+    shipped = {kind: DEFAULT.parents[1] / path for kind, path in xl.shipped_data.items()}
+    assert set(shipped) == {"math", "chat"} and all(path.is_file() for path in shipped.values())
     limits = {"math": xl.math_limit, "chat": xl.chat_limit}
     specs = {"math": (recipe["math_source"], False, None), "chat": (f"{recipe['chat_source']}:{xl.chat_count}", True,
                                                                    xl.chat_max_prompt_chars)}
     if not (data_dir / "gsm8k" / "train.jsonl").is_file():
         pytest.skip(f"{data_dir}: no local GSM8K-train to draw from")
-    for kind, path in present.items():
+    for kind, path in shipped.items():
         records = read_conversations(path)
         assert len(records) == limits[kind]
         spec, english, cap = specs[kind]
@@ -151,5 +150,5 @@ def test_the_xl_data_that_ships_answers_the_configs_xl_draw(tmp_path):
                            tmp_path / f"{kind}.jsonl")
         assert len(shipped_answers(path, draw, drawn_order=False, limit=limits[kind])) == limits[kind]
         drawn = {str(r["id"]): _first_turns(r, 1) for r in read_conversations(draw)}
-        keys = [len(json.dumps(drawn[str(r["id"])]["conversations"])) for r in records]
-        assert keys == sorted(keys)  # in the order regeneration answers them: shortest drawn record first
+        keys = [answer_order(drawn[str(r["id"])]) for r in records]
+        assert keys == sorted(keys)

@@ -115,19 +115,26 @@ def test_sliding_windows_are_exact(arch_kwargs, attn, spy):
 @pytest.mark.parametrize("prefix", [100, 1000])
 def test_one_node_forwards_are_exact_on_either_path(fused, arch_kwargs, prefix, monkeypatch):
     """A one-node forward (plain decoding's step) through SDPA's fused kernel or the matmul path
-    equals the library's own forward; the rule is asked only where no key falls outside a window."""
-    asked = []
+    equals the library's own forward; the kernel runs, in every layer, exactly where the rule says
+    so and no key falls outside a window."""
+    asked, kernel_calls = [], []
     monkeypatch.setattr(attention, "fused_one_node", lambda p: asked.append(p) or fused)
     arch, kwargs = arch_kwargs
     model = long_model(arch, "sdpa", **dict(kwargs))
     ids = context(prefix, seed=11)
-    mine = tree_out(model, ids, [7], tree_path=True)
-    logits, feats = sequential_last(model, ids + [7])
+    logits, feats = sequential_last(model, ids + [7])  # the library's own forward, before the count starts
+    target = Target(model)
+    target.prefill(torch.tensor(ids))
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
+    mine = target.forward_tree(tree([7]))
     assert torch.allclose(mine.logits[0], logits, atol=ATOL)
     assert torch.allclose(mine.features[0], feats, atol=ATOL)
+    assert asked == [prefix]  # once per forward
     window = dict(kwargs).get("sliding_window")
     cut = window is not None and prefix >= window  # keys before the window: the matmul path's band
-    assert asked == ([] if cut else [prefix] * model.config.num_hidden_layers)
+    assert len(kernel_calls) == (model.config.num_hidden_layers if fused and not cut else 0)
 
 
 def test_one_node_rule_reads_the_thread_count(monkeypatch):

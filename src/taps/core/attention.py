@@ -85,9 +85,11 @@ class TreeBlock:
     depth: Tensor  # [N] long, node depth below the root (the root is at position `prefix`)
     prefix: int  # committed rows before the tree block
     hidden: Tensor = field(init=False, repr=False, compare=False)  # [N, N] bool: ~ancestors
+    fused: bool = field(init=False, repr=False, compare=False)  # one node on a short context (`fused_one_node`)
 
-    def __post_init__(self) -> None:  # the complement once per forward, not once per layer
+    def __post_init__(self) -> None:  # once per forward, not once per layer
         object.__setattr__(self, "hidden", ~self.ancestors)
+        object.__setattr__(self, "fused", self.ancestors.shape[0] == 1 and fused_one_node(self.prefix))
 
     def dense_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:  # [1, 1, N, prefix + N]
         return additive_mask(self.ancestors, self.depth, self.prefix, window, dtype)
@@ -117,7 +119,7 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree: TreeBlock, s
                    window: int | None) -> Tensor:
     """Attention of the N tree queries over the committed prefix (unmasked) and the tree block
     (ancestor mask), eager's numerics; a one-node forward on a short context, SDPA's fused kernel
-    (`fused_one_node`). query [1, H, N, D], key / value [1, Hkv, prefix + N, D] (value's D may
+    (`TreeBlock.fused`). query [1, H, N, D], key / value [1, Hkv, prefix + N, D] (value's D may
     differ); returns [1, N, H, Dv] as the library's attention functions do."""
     _, heads, n, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
@@ -125,7 +127,7 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree: TreeBlock, s
     prefix = total - n
     q = query.reshape(1, kv_heads, groups * n, dim)  # head h = kv head h // groups (copies N rows, not keys)
     start = 0 if window is None else max(0, prefix - window + 1)  # keys before it: outside every window
-    if n == 1 and start == 0 and fused_one_node(prefix):  # one query, nothing masked: the fused kernel
+    if tree.fused and start == 0:  # one query, no key outside a window: nothing masked, the fused kernel
         out = F.scaled_dot_product_attention(q, key, value, scale=scaling)  # [1, Hkv, groups, Dv]
         return out.view(1, heads, 1, -1).transpose(1, 2).contiguous()  # [1, 1, H, Dv]
     hidden = tree.hidden  # [N, N]

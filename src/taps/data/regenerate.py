@@ -119,7 +119,7 @@ def regenerate(target, data: str | Path, out: str | Path, settings: RegenerateSe
                   f"{settings.max_prompt_tokens} tokens", file=progress, flush=True)
     step = settings.batch_size
     if step > 1:  # similar prompt lengths share a batch: less padding (the output order follows)
-        todo.sort(key=lambda item: len(json.dumps(item[1]["conversations"])))
+        todo.sort(key=lambda item: answer_order(item[1]))
     if settings.limit is not None:  # the records already written were this order's prefix, so the rest continues it
         todo = todo[:max(0, settings.limit - done)]
     total = done + len(todo)  # what the output will hold: the skipped records and those past --limit not counted
@@ -173,6 +173,12 @@ def _first_prompt(record: dict) -> list[dict]:
     turns = record["conversations"]
     first_user = next((k for k, t in enumerate(turns) if t["role"] == "user"), len(turns) - 1)
     return turns[:first_user + 1]
+
+
+def answer_order(record: dict) -> int:
+    """The key batched regeneration answers records by (shortest first: similar lengths share a
+    batch): the JSON length of the record's conversation as regeneration reads it (`_first_turns`)."""
+    return len(json.dumps(record["conversations"]))
 
 
 def _first_turns(record: dict, max_turns: int | None) -> dict:
