@@ -25,6 +25,13 @@ LONG = 2200  # max_position_embeddings of the long-context models
 PARENTS = [-1, 0, 0, 0, 1, 1, 3, 4, 7, 8]  # depth 5: a chain below a bushy top
 
 
+@pytest.fixture(autouse=True)
+def matmul_path_on_short_contexts_too(monkeypatch):
+    """Trees on short contexts take the dense mask by rule (attention.dense_tree): here the matmul
+    path is what is tested, at every context; test_short_trees_take_the_dense_mask tests the rule."""
+    monkeypatch.setattr(attention, "DENSE_TREE_BELOW", 0)
+
+
 @functools.lru_cache(maxsize=None)
 def long_model(arch: str, attn: str, **kwargs):
     return tiny_model(arch, seed=5, attn_implementation=attn, max_positions=LONG, **dict(kwargs))
@@ -135,6 +142,28 @@ def test_one_node_forwards_are_exact_on_either_path(fused, arch_kwargs, prefix, 
     window = dict(kwargs).get("sliding_window")
     cut = window is not None and prefix >= window  # keys before the window: the matmul path's band
     assert len(kernel_calls) == (model.config.num_hidden_layers if fused and not cut else 0)
+
+
+@pytest.mark.parametrize("prefix", [100, 300])
+def test_short_trees_take_the_dense_mask(prefix, monkeypatch):
+    """A tree of several nodes below DENSE_TREE_BELOW committed tokens runs the library's attention
+    with the dense mask (never the matmul path), exactly; above it, the matmul path; one node never."""
+    monkeypatch.setattr(attention, "DENSE_TREE_BELOW", 256)
+    assert attention.dense_tree(2, 255) and not attention.dense_tree(2, 256) and not attention.dense_tree(1, 0)
+    matmul_calls = []
+    matmul = attention.tree_attention
+    monkeypatch.setattr(attention, "tree_attention", lambda *a: matmul_calls.append(1) or matmul(*a))
+    model = long_model("llama", "sdpa")
+    ids = context(prefix, seed=3)
+    nodes = [7, 40, 41, 42, 43, 44]
+    target = Target(model)
+    target.prefill(torch.tensor(ids))
+    mine = target.forward_tree(tree(nodes))
+    assert len(matmul_calls) == (0 if prefix < 256 else model.config.num_hidden_layers)
+    t = tree(nodes)
+    for node in range(t.size):
+        logits, _ = sequential_last(model, ids + t.tokens[t.path_to(node)].tolist())
+        assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
 
 
 def test_one_node_rule_reads_the_thread_count(monkeypatch):

@@ -30,6 +30,16 @@ at two, the matmul path ahead beyond (4.7 against 8.1 ms at 2,048). Both are exa
 rounding, ~3e-7); the rule depends only on the context and the thread count, so a run's numerics
 do not depend on timing.
 
+A tree of several nodes on a short context goes the other way: below `DENSE_TREE_BELOW` committed
+tokens it takes the library's own attention with the dense mask (built once per forward). There the
+mask is small and the masked fused kernel is quicker than the matmul path, whose bf16 matmuls on a
+CPU build a kernel for every new key count (a decoding step's context is always new). Measured on
+MT-Bench (eagle2-mixed-xl, fixed 8-token trees, contexts of about 100 to 300 tokens, one thread,
+bf16, each path in its own process, alternated; docs/long-context.md, session 25): 30.7 / 29.9 ms per tree forward
+against 31.7 / 30.7 on the matmul path, and 6.2 / 5.8 ms of drafting per step against 7.4 / 6.7;
+from about 384 tokens on the matmul path is ahead (a 16-node tree after 384 tokens 40.4 against
+45.1 ms, after 1,792 48.1 against 69.0). Both are exact in float32.
+
 A model opts in with `enable(model)`: its attention implementation becomes `taps_tree_<base>`
 (base: sdpa or eager), which does exactly what the base does for every forward that is not a
 tree forward (prefill, plain forwards, the library's own generate), so those keep their fast
@@ -71,6 +81,17 @@ ONE_NODE_FUSED_BELOW = {1: 640}
 ONE_NODE_FUSED_BELOW_MANY_THREADS = 1024
 
 
+# trees of two or more nodes after fewer committed tokens than this take the library's attention with
+# the dense mask (module docstring; measured at one thread)
+DENSE_TREE_BELOW = 256
+
+
+def dense_tree(nodes: int, prefix: int) -> bool:
+    """Whether a tree forward of `nodes` nodes after `prefix` committed rows runs the library's
+    attention with the dense mask instead of the matmul path."""
+    return nodes > 1 and prefix < DENSE_TREE_BELOW
+
+
 def fused_one_node(prefix: int) -> bool:
     """Whether a one-node forward after `prefix` committed rows runs SDPA's fused kernel."""
     return prefix < ONE_NODE_FUSED_BELOW.get(torch.get_num_threads(), ONE_NODE_FUSED_BELOW_MANY_THREADS)
@@ -86,13 +107,21 @@ class TreeBlock:
     prefix: int  # committed rows before the tree block
     hidden: Tensor = field(init=False, repr=False, compare=False)  # [N, N] bool: ~ancestors
     fused: bool = field(init=False, repr=False, compare=False)  # one node on a short context (`fused_one_node`)
+    dense: bool = field(init=False, repr=False, compare=False)  # a tree on a short context (`dense_tree`)
+    _masks: dict = field(init=False, repr=False, compare=False)  # (window, dtype) -> dense mask, once per forward
 
     def __post_init__(self) -> None:  # once per forward, not once per layer
+        nodes = self.ancestors.shape[0]
         object.__setattr__(self, "hidden", ~self.ancestors)
-        object.__setattr__(self, "fused", self.ancestors.shape[0] == 1 and fused_one_node(self.prefix))
+        object.__setattr__(self, "fused", nodes == 1 and fused_one_node(self.prefix))
+        object.__setattr__(self, "dense", dense_tree(nodes, self.prefix))
+        object.__setattr__(self, "_masks", {})
 
     def dense_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:  # [1, 1, N, prefix + N]
-        return additive_mask(self.ancestors, self.depth, self.prefix, window, dtype)
+        key = (window, dtype)
+        if key not in self._masks:
+            self._masks[key] = additive_mask(self.ancestors, self.depth, self.prefix, window, dtype)
+        return self._masks[key]
 
 
 _warned: set[str] = set()
@@ -199,11 +228,12 @@ def _make(base: str):
         window = kwargs.get("sliding_window")
         window = int(window) if window else None
         why = _unsupported(module, query, key, kwargs)
-        if why is None:
+        if why is None and not tree.dense:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return tree_attention(query, key, value, tree, scale, window), None
-        _note_once(f"tree attention: {why}; verifying with the library's {base} attention and a dense "
-                   f"[N, prefix + N] mask instead (exact, slower on long contexts)")
+        if why is not None:
+            _note_once(f"tree attention: {why}; verifying with the library's {base} attention and a dense "
+                       f"[N, prefix + N] mask instead (exact, slower on long contexts)")
         mask = tree.dense_mask(window, query.dtype).to(query.device)
         return _base_function(module, base)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                             **kwargs)

@@ -50,7 +50,8 @@ BEAM_SIZES = (1, 2, 4, 6, 8, 10, 16)
 CONTEXTS = (128, 512, 1024, 2048)  # committed tokens at which verify costs are also measured
 CONTEXT_SIZES = (1, 4, 8, 16, 24, 32, 48, 64)  # tree sizes timed at each of those contexts
 SPLIT_NODES = 16  # the tree size whose forward is split into its parts
-FORMAT_VERSION = 3  # 3: one-node forwards take the fused kernel on short contexts (version 2 timed them slower)
+FORMAT_VERSION = 4  # 4: trees on short contexts take the dense mask (3 timed them on the matmul path; 2 timed
+# one-node forwards off the fused kernel)
 SPEED_TOLERANCE = 0.30  # a one-token forward this much off the profile's means: measure again
 
 
