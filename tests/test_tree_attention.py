@@ -144,22 +144,25 @@ def test_one_node_forwards_are_exact_on_either_path(fused, arch_kwargs, prefix, 
     assert len(kernel_calls) == (model.config.num_hidden_layers if fused and not cut else 0)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("prefix", [100, 300])
-def test_short_trees_take_the_dense_mask(prefix, monkeypatch):
-    """A tree of several nodes below DENSE_TREE_BELOW committed tokens runs the library's attention
-    with the dense mask (never the matmul path), exactly; above it, the matmul path; one node never."""
+def test_short_trees_take_the_dense_mask(prefix, attn, monkeypatch):
+    """A tree of several nodes below DENSE_TREE_BELOW committed tokens runs the library's SDPA
+    with the dense mask (never the matmul path), exactly; above it, the matmul path; one node never.
+    An eager base keeps the matmul path at every context (its masked attention is no quicker)."""
     monkeypatch.setattr(attention, "DENSE_TREE_BELOW", 256)
     assert attention.dense_tree(2, 255) and not attention.dense_tree(2, 256) and not attention.dense_tree(1, 0)
     matmul_calls = []
     matmul = attention.tree_attention
     monkeypatch.setattr(attention, "tree_attention", lambda *a: matmul_calls.append(1) or matmul(*a))
-    model = long_model("llama", "sdpa")
+    model = long_model("llama", attn)
     ids = context(prefix, seed=3)
     nodes = [7, 40, 41, 42, 43, 44]
     target = Target(model)
     target.prefill(torch.tensor(ids))
     mine = target.forward_tree(tree(nodes))
-    assert len(matmul_calls) == (0 if prefix < 256 else model.config.num_hidden_layers)
+    dense = prefix < 256 and attn == "sdpa"
+    assert len(matmul_calls) == (0 if dense else model.config.num_hidden_layers)
     t = tree(nodes)
     for node in range(t.size):
         logits, _ = sequential_last(model, ids + t.tokens[t.path_to(node)].tolist())

@@ -38,7 +38,10 @@ MT-Bench (eagle2-mixed-xl, fixed 8-token trees, contexts of about 100 to 300 tok
 bf16, each path in its own process, alternated; docs/long-context.md, session 25): 30.7 / 29.9 ms per tree forward
 against 31.7 / 30.7 on the matmul path, and 6.2 / 5.8 ms of drafting per step against 7.4 / 6.7;
 from about 384 tokens on the matmul path is ahead (a 16-node tree after 384 tokens 40.4 against
-45.1 ms, after 1,792 48.1 against 69.0). Both are exact in float32.
+45.1 ms, after 1,792 48.1 against 69.0). Both are exact in float32. The rule is SDPA's only: the
+library's eager attention with a mask copies the keys to every query head and multiplies as the
+matmul path does, and measured slower or level at every size (session 26: 4 / 8 / 16 nodes after
+64 to 200 tokens, 30.2 against 26.8 ms at worst), so an eager base keeps the matmul path.
 
 A model opts in with `enable(model)`: its attention implementation becomes `taps_tree_<base>`
 (base: sdpa or eager), which does exactly what the base does for every forward that is not a
@@ -228,13 +231,13 @@ def _make(base: str):
         window = kwargs.get("sliding_window")
         window = int(window) if window else None
         why = _unsupported(module, query, key, kwargs)
-        if why is None and not tree.dense:
+        if why is None and not (tree.dense and base == "sdpa"):  # the dense rule is SDPA's fused kernel's
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return tree_attention(query, key, value, tree, scale, window), None
         if why is not None:
             _note_once(f"tree attention: {why}; verifying with the library's {base} attention and a dense "
                        f"[N, prefix + N] mask instead (exact, slower on long contexts)")
-        mask = tree.dense_mask(window, query.dtype).to(query.device)
+        mask = tree.dense_mask(window, query.dtype)  # on the model's device, as the tree block is
         return _base_function(module, base)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                             **kwargs)
 
