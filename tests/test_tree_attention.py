@@ -169,6 +169,29 @@ def test_short_trees_take_the_dense_mask(prefix, attn, monkeypatch):
         assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
 
 
+@pytest.mark.parametrize("arch_kwargs", [
+    ("mistral", (("sliding_window", 6),)),
+    ("qwen2", (("use_sliding_window", True), ("sliding_window", 6), ("max_window_layers", 1))),
+])
+def test_short_trees_on_the_dense_mask_keep_sliding_windows(arch_kwargs, monkeypatch):
+    """The dense mask a short tree takes (TreeBlock.dense_mask) cuts each query's window as the
+    matmul path's band does: a window smaller than the tree's depth, after 100 tokens."""
+    monkeypatch.setattr(attention, "DENSE_TREE_BELOW", 256)
+    matmul_calls = []
+    matmul = attention.tree_attention
+    monkeypatch.setattr(attention, "tree_attention", lambda *a: matmul_calls.append(1) or matmul(*a))
+    arch, kwargs = arch_kwargs
+    model = long_model(arch, "sdpa", **dict(kwargs))
+    ids = context(100, seed=3)
+    nodes = [7, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+    mine = tree_out(model, ids, nodes, tree_path=True)
+    assert not matmul_calls
+    t = tree(nodes)
+    for node in range(t.size):
+        logits, _ = sequential_last(model, ids + t.tokens[t.path_to(node)].tolist())
+        assert torch.allclose(mine.logits[node], logits, atol=ATOL), f"node {node} logits differ"
+
+
 def test_one_node_rule_reads_the_thread_count(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert attention.fused_one_node(639) and not attention.fused_one_node(640)
