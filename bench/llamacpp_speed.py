@@ -13,14 +13,14 @@ Not a test. Three steps, each skipped when its output is already there:
    llama.cpp's converter or loader cannot take: the failing step and its last message are
    printed).
 3. Timing: for each thread count, llama-server once plain and once with the head (`-md HEAD
-   --spec-type draft-eagle3 --spec-draft-n-max D`), the same GSM8K and MT-Bench first turns
+   --spec-type draft-eagle3 --spec-draft-n-max D [--spec-draft-p-min P]`), the same GSM8K and MT-Bench first turns
    through /v1/chat/completions, greedy, the first prompt a warm-up. Tokens/s and acceptance
    come from the server's own `timings`; the answers of the two runs are compared (greedy
    speculative decoding should not change them).
 
     python bench/llamacpp_speed.py --head heads/eagle3-mixed-xl [--llama-cpp SRC | --sdist FILE]
         [--target smollm2-135m-instruct --target-outtype bf16] [--head-outtype bf16] [--threads 1,2] [--n 20]
-        [--new-tokens 128] [--draft-max 5] [--data-dir ../shared/data] [--work runs/llamacpp]
+        [--new-tokens 128] [--draft-max 5] [--draft-p-min 0] [--data-dir ../shared/data] [--work runs/llamacpp]
         [--out runs/bench/llamacpp-speed.jsonl]
 
 Every request is appended to --out as one JSON line (a rerun with the same settings resumes);
@@ -144,12 +144,14 @@ def free_port() -> int:
 class Server:
     """llama-server on 127.0.0.1, stopped on exit; its log kept for the failure message."""
 
-    def __init__(self, binary: Path, model: Path, threads: int, log: Path, draft: Path | None, draft_max: int):
+    def __init__(self, binary: Path, model: Path, threads: int, log: Path, draft: Path | None, draft_max: int,
+                 draft_p_min: float = 0.0):
         self.port = free_port()
         cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-c", "4096", "-np", "1"]
         if draft is not None:
-            cmd += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max)]
+            cmd += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max),
+                    "--spec-draft-p-min", str(draft_p_min)]
         self.log = log
         self.proc = subprocess.Popen([str(c) for c in cmd], stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -233,6 +235,9 @@ def main() -> int:
     ap.add_argument("--benches", default="gsm8k,mt_bench")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-max", type=int, default=5, help="--spec-draft-n-max: draft tokens per step (a chain)")
+    ap.add_argument("--draft-p-min", type=float, default=0.0,
+                    help="--spec-draft-p-min: the chain stops at the first draft token the head gives less than P "
+                         "(0: llama.cpp's default, always D tokens)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)), help="build jobs")
     ap.add_argument("--work", type=Path, default=Path("runs/llamacpp"))
@@ -252,13 +257,13 @@ def main() -> int:
         target, hf = target_gguf(args.target, args.target_outtype, source, args.work)
         head = head_gguf(Path(args.head), source, hf, args.work, args.head_outtype)
         settings = {"head": str(Path(args.head).resolve()), "head_gguf": head.name, "target": str(target), "new_tokens": args.new_tokens,
-                    "draft_max": args.draft_max}
+                    "draft_max": args.draft_max, "draft_p_min": args.draft_p_min}
         done = {(r["bench"], r["index"], r["threads"], r["mode"]) for _, r in read_jsonl(args.out, repair_torn=True)[0]
                 if r.get("settings") == settings} if args.out.is_file() else set()
         for threads in (int(t) for t in args.threads.split(",")):
             for mode, draft in (("plain", None), ("eagle3", head)):
                 log = args.work / f"server-{mode}-t{threads}.log"
-                with Server(server, target, threads, log, draft, args.draft_max) as srv:
+                with Server(server, target, threads, log, draft, args.draft_max, args.draft_p_min) as srv:
                     for bench, qs in questions.items():
                         for i, q in enumerate(qs):
                             if (bench, i, threads, mode) in done:
