@@ -145,12 +145,12 @@ class Server:
     """llama-server on 127.0.0.1, stopped on exit; its log kept for the failure message."""
 
     def __init__(self, binary: Path, model: Path, threads: int, log: Path, draft: Path | None, draft_max: int,
-                 draft_p_min: float = 0.0):
+                 draft_p_min: float = 0.0, spec_type: str = "draft-eagle3"):
         self.port = free_port()
         cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-c", "4096", "-np", "1"]
         if draft is not None:
-            cmd += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_max),
+            cmd += ["-md", draft, "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max),
                     "--spec-draft-p-min", str(draft_p_min)]
         self.log = log
         self.proc = subprocess.Popen([str(c) for c in cmd], stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -238,11 +238,16 @@ def main() -> int:
     ap.add_argument("--draft-p-min", type=float, default=0.0,
                     help="--spec-draft-p-min: the chain stops at the first draft token the head gives less than P "
                          "(0: llama.cpp's default, always D tokens)")
+    ap.add_argument("--spec-type", default="draft-eagle3",
+                    help="llama.cpp's --spec-type: draft-eagle3, or a list with its n-gram drafters first "
+                         "(e.g. ngram-mod,draft-eagle3: the head drafts where the n-gram drafter has nothing)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)), help="build jobs")
     ap.add_argument("--work", type=Path, default=Path("runs/llamacpp"))
     ap.add_argument("--out", type=Path, default=Path("runs/bench/llamacpp-speed.jsonl"))
     args = ap.parse_args()
+    if "draft-eagle3" not in args.spec_type.split(","):
+        ap.error(f"--spec-type {args.spec_type}: must include draft-eagle3 (the head)")
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if shutil.which("cmake") is None and not (args.llama_cpp and (args.llama_cpp / "build/bin" / SERVER).is_file()):
@@ -257,13 +262,14 @@ def main() -> int:
         target, hf = target_gguf(args.target, args.target_outtype, source, args.work)
         head = head_gguf(Path(args.head), source, hf, args.work, args.head_outtype)
         settings = {"head": str(Path(args.head).resolve()), "head_gguf": head.name, "target": str(target), "new_tokens": args.new_tokens,
-                    "draft_max": args.draft_max, "draft_p_min": args.draft_p_min}
+                    "draft_max": args.draft_max, "draft_p_min": args.draft_p_min, "spec_type": args.spec_type}
         done = {(r["bench"], r["index"], r["threads"], r["mode"]) for _, r in read_jsonl(args.out, repair_torn=True)[0]
                 if r.get("settings") == settings} if args.out.is_file() else set()
         for threads in (int(t) for t in args.threads.split(",")):
             for mode, draft in (("plain", None), ("eagle3", head)):
                 log = args.work / f"server-{mode}-t{threads}.log"
-                with Server(server, target, threads, log, draft, args.draft_max, args.draft_p_min) as srv:
+                with Server(server, target, threads, log, draft, args.draft_max, args.draft_p_min,
+                            args.spec_type) as srv:
                     for bench, qs in questions.items():
                         for i, q in enumerate(qs):
                             if (bench, i, threads, mode) in done:
