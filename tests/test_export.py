@@ -369,3 +369,28 @@ def test_specforge_eagle3_checkpoint_loads(tmp_path, eagle3_setting, architectur
     assert loaded.aux_layers == head.aux_layers and torch.equal(loaded.draft_ids, ids)
     for key, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("engine, flags", [
+    ("sglang", ["--speculative-algorithm EAGLE3 ", "--speculative-draft-model-path"]),
+    ("vllm", ['"method": "eagle3"']),
+    ("llama.cpp", ["convert_hf_to_gguf.py", "--spec-type draft-eagle3", "--spec-draft-p-min 0.7"]),
+])
+def test_export_prints_the_engines_command(tmp_path, eagle3_setting, engine, flags, capsys, monkeypatch):
+    """`taps export` ends with the command that serves the export in its engine, naming the export."""
+    monkeypatch.delenv("TAPS_LLAMA_CPP", raising=False)
+    _, _, head, _ = eagle3_setting
+    src = save_head(head, tmp_path / "eagle3-head", DrafterInfo(backbone="eagle3", tokenizer_fingerprint=None))
+    assert main(["export", str(src), "--engine", engine, "--out", str(tmp_path / "out")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("serve it with: ")
+    assert all(flag in last for flag in flags), last
+    assert str(tmp_path / "out") in last
+
+
+def test_sglang_command_names_the_token_map_of_an_eagle2_head(tmp_path, setting, capsys):
+    src = _saved(tmp_path, setting, "eagle2")
+    assert main(["export", str(src), "--engine", "sglang", "--out", str(tmp_path / "out")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "--speculative-algorithm EAGLE " in last
+    assert f"--speculative-token-map {tmp_path / 'out' / TOKEN_MAP_NAME}" in last

@@ -48,7 +48,32 @@ class Export:
 
     def summary(self) -> str:
         gguf = f"; GGUF {self.gguf}" if self.gguf else ""
-        return f"wrote {self.out} for {self.engine} ({self.family} head; draft vocabulary: {self.draft_vocab}){gguf}"
+        return (f"wrote {self.out} for {self.engine} ({self.family} head; draft vocabulary: {self.draft_vocab}){gguf}\n"
+                f"serve it with: {self.launch()}")
+
+    def launch(self) -> str:
+        """The engine's command line for this export, TARGET standing for the target model (the
+        settings of docs/serving.md: the paper's 60 / 5 / 10 tree for SGLang, a 5-token chain for
+        vLLM, for llama.cpp an 8-token chain with its confidence stop at 0.7, measured there)."""
+        if self.engine == "sglang":
+            algorithm = "EAGLE3" if self.family == "eagle3" else "EAGLE"
+            token_map = self.out / TOKEN_MAP_NAME
+            extra = f" --speculative-token-map {token_map}" if token_map.is_file() else ""
+            return (f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm {algorithm} "
+                    f"--speculative-draft-model-path {self.out}{extra} --speculative-num-steps 5 "
+                    "--speculative-eagle-topk 10 --speculative-num-draft-tokens 60")
+        if self.engine == "vllm":
+            method = "eagle3" if self.family == "eagle3" else "eagle"
+            return (f"vllm serve TARGET --speculative-config "
+                    f"'{{\"method\": \"{method}\", \"model\": \"{self.out}\", \"num_speculative_tokens\": 5}}'")
+        convert = ""
+        gguf = self.gguf
+        if gguf is None:  # no converter was named: convert first (LLAMA_CPP: its source directory)
+            gguf = self.out / "head-bf16.gguf"
+            convert = (f"python LLAMA_CPP/{CONVERTER} {self.out} --target-model-dir TARGET_DIR --outtype bf16 "
+                       f"--outfile {gguf} && ")
+        return (f"{convert}llama-server -m TARGET.gguf -md {gguf} --spec-type draft-eagle3 --spec-draft-n-max 8 "
+                "--spec-draft-p-min 0.7")
 
 
 def _check_keys(tensors: dict[str, torch.Tensor], expected: tuple[str, ...], where: Path) -> None:
