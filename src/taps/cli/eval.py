@@ -85,7 +85,8 @@ def register_study(sub) -> None:
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_reproduce)
 
-    d = sub.add_parser("demo", help="a small study on the embedded default: every variant of each backbone whose math and chat heads ship",
+    d = sub.add_parser("demo", help="a small study on the embedded default: every variant of each backbone "
+                                    "whose math and chat heads ship",
                        formatter_class=DefaultsHelpFormatter)
     d.add_argument("--models", default="models/smollm2-135m-instruct",
                    help="the embedded default: drafters/ (and target/, unless the directory is named after a "

@@ -20,7 +20,8 @@ def register(sub) -> None:
     f.add_argument("--target-dtype", default="auto", help="dtype the target runs in")
     f.set_defaults(func=_features)
 
-    t = sub.add_parser("train", help="train an EAGLE-2, HASS or EAGLE-3 drafter on features (runs under accelerate launch)",
+    t = sub.add_parser("train", help="train an EAGLE-2, HASS or EAGLE-3 drafter on features "
+                                     "(runs under accelerate launch)",
                        formatter_class=DefaultsHelpFormatter)
     t.add_argument("--target", required=True)
     t.add_argument("--features", required=True, action="append", metavar="DIR[:LIMIT]",
