@@ -91,7 +91,8 @@ DENSE_TREE_BELOW = 256
 
 def dense_tree(nodes: int, prefix: int) -> bool:
     """Whether a tree forward of `nodes` nodes after `prefix` committed rows runs the library's
-    attention with the dense mask instead of the matmul path."""
+    attention with the dense mask instead of the matmul path, where the base is SDPA (an eager base
+    keeps the matmul path: `attend` reads this flag only for SDPA)."""
     return nodes > 1 and prefix < DENSE_TREE_BELOW
 
 
@@ -110,7 +111,7 @@ class TreeBlock:
     prefix: int  # committed rows before the tree block
     hidden: Tensor = field(init=False, repr=False, compare=False)  # [N, N] bool: ~ancestors
     fused: bool = field(init=False, repr=False, compare=False)  # one node on a short context (`fused_one_node`)
-    dense: bool = field(init=False, repr=False, compare=False)  # a tree on a short context (`dense_tree`)
+    dense: bool = field(init=False, repr=False, compare=False)  # a tree on a short context (`dense_tree`; SDPA)
     _masks: dict = field(init=False, repr=False, compare=False)  # (window, dtype) -> dense mask, once per forward
 
     def __post_init__(self) -> None:  # once per forward, not once per layer
