@@ -201,6 +201,26 @@ def test_two_processes_match_one(tmp_path, target, target_dir, features):
     assert [round(x["heldout_loss"], 5) for x in one_log] == [round(x["heldout_loss"], 5) for x in two_log]
 
 
+def test_micro_batches_are_grouped_by_length_and_train_as_one_batch(tmp_path, target, features):
+    """A global batch is split longest first, so each micro-batch pads to a similar length; the
+    records of the step are those of the epoch order, and accumulating 2 micro-batches of 2 trains to
+    the weights of one batch of 4 (the loss is pooled over the global batch)."""
+    trainer = Trainer(target, features, tmp_path / "probe", config(batch_size=2, grad_accum=2))
+    for step in range(trainer.steps_per_epoch):
+        micro, _ = trainer._micro_batches(step)
+        offset = step * trainer.global_batch
+        drawn = trainer._epoch_order(0)[offset:offset + trainer.global_batch]
+        lengths = sorted((trainer.shards.record_length(i) for i in drawn), reverse=True)
+        assert [int(n) for batch, _ in micro for n in batch.lengths] == lengths
+        assert sum(int(n) for batch, _ in micro for n in batch.lengths) == sum(
+            trainer.shards[i]["input_ids"].shape[0] for i in drawn)
+    one = fit(target, features, tmp_path / "one", backbone="hass")
+    two = fit(target, features, tmp_path / "two", backbone="hass", batch_size=2, grad_accum=2)
+    a, b = weights(one), weights(two)
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), (key, float((a[key] - b[key]).abs().max()))
+
+
 def test_cli_keeps_every_epochs_head(tmp_path, target_dir, features):
     """`taps train --keep-epoch-heads`: each finished epoch leaves a loadable head, so a run cut short
     (a time limit on a lent GPU) still leaves its last epoch's; the last one equals the final head."""

@@ -276,6 +276,11 @@ class FeatureShards:
     def __len__(self) -> int:
         return len(self._index)
 
+    def record_length(self, i: int) -> int:
+        """Record i's token count, from the shard offsets (no features read)."""
+        name, j = self._index[i]
+        return int(self._offsets[name][j + 1] - self._offsets[name][j])
+
     def token_arrays(self):
         """Per shard, in record order: (first record index, input_ids [N], loss_mask [N], offsets
         [R+1]); the token ids and masks without the hidden states (counting tokens reads no features)."""
@@ -360,9 +365,18 @@ class FeatureSet:
                 yield base + first, ids, mask, offsets[: min(n - first, offsets.numel() - 1) + 1]
             base += n
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def _locate(self, i: int) -> tuple[FeatureShards, int]:
         for shards, n in self.parts:
             if i < n:
-                return shards[i]
+                return shards, i
             i -= n
         raise IndexError(i)
+
+    def record_length(self, i: int) -> int:
+        """Record i's token count (no features read): what the trainer groups micro-batches by."""
+        shards, j = self._locate(i)
+        return shards.record_length(j)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shards, j = self._locate(i)
+        return shards[j]
