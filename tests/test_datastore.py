@@ -80,6 +80,22 @@ def test_sampling_the_occurrences_keeps_their_proportions():
 
 
 # ---- the lookup tree with a datastore -----------------------------------------------------------
+def test_the_datastore_drafts_from_the_longest_shared_context():
+    """A context of 12 tokens seen once before outweighs its last 3 tokens seen three times
+    elsewhere: the store matches the longest suffix it holds (up to 16 tokens), as a store of one
+    task's templated answers needs."""
+    context = list(range(1, 13))
+    store = Datastore.of_segments([context + [100]] + [[50, 51] + context[-3:] + [200]] * 3)
+    assert store.depth == 16
+    first = started([7] + context, store, prompt=False).propose()
+    assert paths_of(first)[0][0] == 100 and [200] not in paths_of(first)
+    short = started([7] + context, store, prompt=False, store_max_ngram=3).propose()
+    assert [100] in paths_of(short) and [200] in paths_of(short)
+    probe = started([7] + context, store, prompt=False, store_max_ngram=3)
+    probe.propose()
+    assert probe._proposed[(200,)] == pytest.approx(0.75) and probe._proposed[(100,)] == pytest.approx(0.25)
+
+
 def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
     store = Datastore.of_segments([[3, 4, 10, 11], [3, 4, 10, 12], [3, 4, 20]], depth=4)
     seq = [3, 4, 10, 13, 14, 3, 4]  # prompt lookup: after "3 4" came "10 13 14 3 4"

@@ -60,7 +60,7 @@ class LookupSpec:
     min_ngram: int = 1
     datastore: Datastore | None = None
     prompt: bool = True  # False: the datastore alone
-    store_max_ngram: int = 3  # bench/datastore_hit_rate.py: 3..1 drafts as well as 8..1 on SmolLM2's answers
+    store_max_ngram: int = 16  # the longest suffix the store holds, up to its index depth (rest.INDEX_DEPTH says why)
     store_min_ngram: int = 1
     store_nodes: int | None = 8  # at most this many datastore nodes per tree (None: the tree's whole budget);
     # on MT-Bench 8 keep most of the acceptance (tau 2.03 vs 2.09 with 31 in a 32-node tree) at half the nodes
