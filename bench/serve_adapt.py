@@ -150,6 +150,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--runs", default="off,store,adapt")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the server (default 1: beside the server's own threads, torch's default of "
+                        "every core oversubscribes a 2-core machine and its tokens/s stop meaning anything)")
     p.add_argument("--out", help="write results.json here (default: a temporary directory)")
     add_tree_arguments(p)
     args = p.parse_args()
@@ -157,6 +160,9 @@ def main() -> int:
         speculation_from(args)
     except ValueError as err:
         p.error(str(err))
+    import torch
+
+    torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)
     stream = questions(args)
