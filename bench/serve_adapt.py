@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from taps.cli.args import add_tree_arguments, speculation_from, target_ref
 from taps.core.jsonl import read_json_lines, write_json_atomic
 
@@ -160,8 +162,6 @@ def main() -> int:
         speculation_from(args)
     except ValueError as err:
         p.error(str(err))
-    import torch
-
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)

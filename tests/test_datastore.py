@@ -89,11 +89,10 @@ def test_the_datastore_drafts_from_the_longest_shared_context():
     assert store.depth == 16
     first = started([7] + context, store, prompt=False).propose()
     assert paths_of(first)[0][0] == 100 and [200] not in paths_of(first)
-    short = started([7] + context, store, prompt=False, store_max_ngram=3).propose()
-    assert [100] in paths_of(short) and [200] in paths_of(short)
-    probe = started([7] + context, store, prompt=False, store_max_ngram=3)
-    probe.propose()
-    assert probe._proposed[(200,)] == pytest.approx(0.75) and probe._proposed[(100,)] == pytest.approx(0.25)
+    three = started([7] + context, store, prompt=False, store_max_ngram=3)
+    paths = paths_of(three.propose())
+    assert [100] in paths and [200] in paths
+    assert three._proposed[(200,)] == pytest.approx(0.75) and three._proposed[(100,)] == pytest.approx(0.25)
 
 
 def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
