@@ -18,7 +18,8 @@ questions), never on translations, summaries or extractions.
 Each request is greedy, one client at a time; the variant is the same in every run,
 `merge-budget:HEAD,lookup` (under --tree auto, lookup's nodes join where they pay). Counted and
 printed per run: lost requests (no answer) and failed ones (an error answer), and answers that
-differ from the `off` run's (0 expected in float32: learning changes only what is drafted).
+differ from the `off` run's (0 expected in float32: learning changes only what is drafted; a run
+without `off` is checked against an earlier results.json's with --compare-to, by answer digest).
 The goals (issue 31), checked on the printed figures:
   - adapt: last window's acceptance length >= 1.5x the first's, tokens/s >= 1.3x;
   - store: tokens/s over the whole stream >= 1.15x off's.
@@ -33,6 +34,7 @@ The goals (issue 31), checked on the printed figures:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -131,6 +133,25 @@ def windows(result: dict, size: int) -> list[dict]:
     return out
 
 
+def digest(text: str | None) -> str | None:
+    """What results.json keeps of an answer: enough to tell a later run's answers from this one's."""
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+def reference_answers(results: dict, compare_to: str | None) -> dict[int, str]:
+    """Request index -> answer digest of learning off: this invocation's `off` run, else the `off`
+    run of an earlier results.json (--compare-to), else none."""
+    if "off" in results:
+        return {r["i"]: digest(r.get("text")) for r in results["off"]["rows"]}
+    if compare_to is None:
+        return {}
+    earlier = json.loads(Path(compare_to).read_text())
+    rows = earlier.get("runs", {}).get("off", {}).get("requests", [])
+    if not rows or any("answer_sha256" not in r for r in rows if "error" not in r):
+        raise SystemExit(f"--compare-to {compare_to}: no `off` run with answer digests (written since session 28)")
+    return {r["i"]: r.get("answer_sha256") for r in rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -156,6 +177,8 @@ def main() -> int:
                    help="torch threads of the server (default 1: beside the server's own threads, torch's default of "
                         "every core oversubscribes a 2-core machine and its tokens/s stop meaning anything)")
     p.add_argument("--out", help="write results.json here (default: a temporary directory)")
+    p.add_argument("--compare-to", help="an earlier results.json whose `off` answers this invocation's are checked "
+                                        "against, when it runs no `off` itself")
     add_tree_arguments(p)
     args = p.parse_args()
     try:
@@ -179,14 +202,15 @@ def main() -> int:
     print("| run | " + " | ".join(w["requests"] for w in windows(next(iter(results.values())), args.window))
           + " | lost | failed | differ from off |")
     print("| --- |" + " ---: |" * (len(windows(next(iter(results.values())), args.window)) + 3))
-    off = {r["i"]: r.get("text") for r in results["off"]["rows"]} if "off" in results else {}
+    off = reference_answers(results, args.compare_to)
     summary = {}
     for name, result in results.items():
         ws = windows(result, args.window)
         answered = {r["i"] for r in result["rows"]}
         lost = sum(i not in answered for i in range(args.requests))
         failed = sum("error" in r for r in result["rows"])
-        differ = sum(off.get(r["i"]) != r.get("text") for r in result["rows"] if "error" not in r) if off else None
+        differ = sum(off.get(r["i"]) != digest(r.get("text")) for r in result["rows"] if "error" not in r) \
+            if off else None
         cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in ws)
         print(f"| {name} (acceptance / tok/s) | {cells} | {lost} | {failed} | {differ} |")
         capped = sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"])
@@ -196,7 +220,9 @@ def main() -> int:
         ok = [r for r in result["rows"] if "error" not in r]
         seconds = sum(r["seconds"] or 0.0 for r in ok)
         summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
-                         "requests": [{k: v for k, v in r.items() if k != "text"} for r in result["rows"]],
+                         "requests": [{**{k: v for k, v in r.items() if k != "text"},
+                                       **({"answer_sha256": digest(r["text"])} if "text" in r else {})}
+                                      for r in result["rows"]],
                          "capped": capped,
                          "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
                          "adapt": result["adapt"], "versions": result["versions"]}

@@ -27,3 +27,28 @@ def test_tree_options_are_the_commands_own():
             f"{script.name} declares tree options of its own; use taps.cli.args.add_tree_arguments"
         assert "TreeConfig(60, 5, 10)" not in text and "TreeConfig(96, 8, 8)" not in text, \
             f"{script.name} re-declares a tree the package defines (config.FIXED_TREE, config.AUTO_TREE_CAPS)"
+
+
+def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
+    """A learning run alone (`--runs adapt`) is checked against the `off` answers of an earlier
+    results.json, by digest; an earlier file without digests is refused, naming --compare-to."""
+    import importlib.util
+    import json
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
+    serve_adapt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_adapt)
+    off = {"rows": [{"i": 0, "text": "a"}, {"i": 1, "text": "b"}]}
+    here = serve_adapt.reference_answers({"off": off}, None)
+    assert here == {0: serve_adapt.digest("a"), 1: serve_adapt.digest("b")}
+    assert serve_adapt.reference_answers({"adapt": off}, None) == {}
+    earlier = tmp_path / "results.json"
+    earlier.write_text(json.dumps({"runs": {"off": {"requests": [
+        {"i": 0, "answer_sha256": serve_adapt.digest("a")}, {"i": 1, "answer_sha256": serve_adapt.digest("c")}]}}}))
+    reference = serve_adapt.reference_answers({"adapt": off}, str(earlier))
+    assert [reference[r["i"]] != serve_adapt.digest(r["text"]) for r in off["rows"]] == [False, True]
+    earlier.write_text(json.dumps({"runs": {"off": {"requests": [{"i": 0, "tokens": 3}]}}}))
+    with pytest.raises(SystemExit, match="--compare-to"):
+        serve_adapt.reference_answers({"adapt": off}, str(earlier))
