@@ -133,16 +133,24 @@ def windows(result: dict, size: int) -> list[dict]:
     return out
 
 
-def digest(text: str | None) -> str | None:
+def digest(text: str) -> str:
     """What results.json keeps of an answer: enough to tell a later run's answers from this one's."""
-    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def request_record(row: dict) -> dict:
+    """A request as results.json keeps it: its figures (or error), and its answer as a digest."""
+    record = {k: v for k, v in row.items() if k != "text"}
+    if "text" in row:
+        record["answer_sha256"] = digest(row["text"])
+    return record
 
 
 def reference_answers(results: dict, compare_to: str | None) -> dict[int, str]:
     """Request index -> answer digest of learning off: this invocation's `off` run, else the `off`
     run of an earlier results.json (--compare-to), else none."""
     if "off" in results:
-        return {r["i"]: digest(r.get("text")) for r in results["off"]["rows"]}
+        return {r["i"]: digest(r["text"]) for r in results["off"]["rows"] if "text" in r}
     if compare_to is None:
         return {}
     earlier = json.loads(Path(compare_to).read_text())
@@ -209,8 +217,7 @@ def main() -> int:
         answered = {r["i"] for r in result["rows"]}
         lost = sum(i not in answered for i in range(args.requests))
         failed = sum("error" in r for r in result["rows"])
-        differ = sum(off.get(r["i"]) != digest(r.get("text")) for r in result["rows"] if "error" not in r) \
-            if off else None
+        differ = sum(off.get(r["i"]) != digest(r["text"]) for r in result["rows"] if "text" in r) if off else None
         cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in ws)
         print(f"| {name} (acceptance / tok/s) | {cells} | {lost} | {failed} | {differ} |")
         capped = sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"])
@@ -220,9 +227,7 @@ def main() -> int:
         ok = [r for r in result["rows"] if "error" not in r]
         seconds = sum(r["seconds"] or 0.0 for r in ok)
         summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
-                         "requests": [{**{k: v for k, v in r.items() if k != "text"},
-                                       **({"answer_sha256": digest(r["text"])} if "text" in r else {})}
-                                      for r in result["rows"]],
+                         "requests": [request_record(r) for r in result["rows"]],
                          "capped": capped,
                          "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
                          "adapt": result["adapt"], "versions": result["versions"]}

@@ -5,7 +5,11 @@ package has one."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(BENCH.glob("*.py"))
@@ -32,11 +36,6 @@ def test_tree_options_are_the_commands_own():
 def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
     """A learning run alone (`--runs adapt`) is checked against the `off` answers of an earlier
     results.json, by digest; an earlier file without digests is refused, naming --compare-to."""
-    import importlib.util
-    import json
-
-    import pytest
-
     spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
     serve_adapt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve_adapt)
@@ -44,6 +43,9 @@ def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
     here = serve_adapt.reference_answers({"off": off}, None)
     assert here == {0: serve_adapt.digest("a"), 1: serve_adapt.digest("b")}
     assert serve_adapt.reference_answers({"adapt": off}, None) == {}
+    record = serve_adapt.request_record({"i": 0, "text": "a", "tokens": 1})
+    assert record == {"i": 0, "tokens": 1, "answer_sha256": serve_adapt.digest("a")}
+    assert "answer_sha256" not in serve_adapt.request_record({"i": 1, "error": "Timeout"})
     earlier = tmp_path / "results.json"
     earlier.write_text(json.dumps({"runs": {"off": {"requests": [
         {"i": 0, "answer_sha256": serve_adapt.digest("a")}, {"i": 1, "answer_sha256": serve_adapt.digest("c")}]}}}))
