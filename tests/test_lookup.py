@@ -34,18 +34,30 @@ def test_longest_match_first_then_most_recent():
     assert started([1, 2, 3, 4]).continuations() == []  # nothing repeats: no draft
 
 
+def test_a_continuation_reaching_the_end_repeats_its_period():
+    # "1 2" occurred 2 tokens back: what follows it is "1 2" itself, and then again what it predicted
+    assert started([7, 1, 2, 1, 2]).continuations() == [[1, 2, 1, 2, 1]]
+    # an occurrence far enough back keeps its own tokens (depth 5 fits before the end)
+    assert started([3, 9, 8, 7, 6, 5, 4, 3]).continuations() == [[9, 8, 7, 6, 5]]
+    # a loop of period 3 drafts to the full depth from its first repeat; older occurrences repeat it
+    loop = [9, 4, 5, 6, 4, 5, 6, 4]
+    assert started(loop, tree=TreeConfig(total_tokens=16, depth=8, top_k=4)).continuations()[0] == \
+        [5, 6, 4, 5, 6, 4, 5, 6]
+
+
 def test_tree_is_a_trie_with_calibrated_scores():
     seq = [4, 1, 2, 3, 9, 4, 1, 2, 8, 4]
     proposer = started(seq)
     tree = proposer.propose()
     assert tree.tokens[0].item() == 4
-    # continuations after "4": [1, 2, 8, 4] (most recent) and [1, 2, 3, 9, 4]: they share "1 2"
+    # continuations after "4": [1, 2, 8, 4, 1] (most recent, running into the end: it repeats its
+    # period "1 2 8 4") and [1, 2, 3, 9, 4]: they share "1 2"
     paths = [[tree.tokens[i].item() for i in row if i >= 0][1:] for row in tree.paths()]
-    assert sorted(paths) == [[1, 2, 3, 9, 4], [1, 2, 8, 4]]
-    assert tree.size == 1 + 2 + 2 + 3
+    assert sorted(paths) == [[1, 2, 3, 9, 4], [1, 2, 8, 4, 1]]
+    assert tree.size == 1 + 2 + 3 + 3
     depth = tree.depth()
     first_rank = (tree.logp[1:] - depth[1:] * math.log(0.5)).abs() < 1e-6  # rank 0 nodes: d * log q
-    assert int(first_rank.sum()) == 4  # 1, 2, 8, 4 from the most recent occurrence
+    assert int(first_rank.sum()) == 5  # 1, 2, 8, 4, 1 from the most recent occurrence
     assert bool((tree.logp[1:] <= tree.logp[tree.parents[1:]] + 1e-6).all())  # scores fall along paths
 
 

@@ -117,13 +117,22 @@ class LookupProposer:
         self._append(tokens)
 
     def continuations(self) -> list[list[int]]:
-        """Up to top_k candidate continuations, best first (longest match, then most recent)."""
+        """Up to top_k candidate continuations, best first (longest match, then most recent).
+
+        A continuation that reaches the sequence's end goes on with the tokens it has just
+        predicted: after an occurrence `period` tokens back, token j of the draft is
+        seq[start + j % period]. That is what the target emits if it keeps copying, and it is what
+        prompt lookup would propose one step later anyway; in a loop of p tokens it drafts to the
+        full depth from the loop's first repeat, instead of p tokens (or the older, longer and
+        lower-ranked occurrences) per step."""
         seq, depth, found, seen = self._seq, self.tree.depth, [], set()
-        for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
+        end = len(seq)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             # the last occurrence is the suffix itself: nothing follows it yet
             for start in reversed(self._follows.get(tuple(seq[-n:]), [])[:-1]):
-                cont = tuple(seq[start:start + depth])
-                if cont and cont not in seen:
+                period = end - start  # >= 1: the n-gram ends before the sequence does
+                cont = tuple(seq[start + j % period] for j in range(depth))
+                if cont not in seen:
                     seen.add(cont)
                     found.append(list(cont))
                     if len(found) == self.tree.top_k:
