@@ -204,33 +204,52 @@ def main() -> int:
             raise SystemExit(f"{learn} exists: give a new --out (a learning run starts from nothing)")
         results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None)
         print(f"  {name}: done", flush=True)
+        # after every run, so that a run killed later still leaves the finished runs' figures
+        write_json_atomic(out / "results.json", {"args": vars(args), "runs": summarise(args, results),
+                                                 "complete": False})
 
-    print(f"\nstream: {args.requests} requests ({args.questions or args.task}), head {args.head}, variant "
-          f"merge-budget:{args.head},lookup, max_tokens {args.max_tokens}\n")
-    print("| run | " + " | ".join(w["requests"] for w in windows(next(iter(results.values())), args.window))
-          + " | lost | failed | differ from off |")
-    print("| --- |" + " ---: |" * (len(windows(next(iter(results.values())), args.window)) + 3))
+    summary = summarise(args, results)
+    print_table(args, summary)
+    write_json_atomic(out / "results.json", {"args": vars(args), "runs": summary, "complete": True})
+    print(f"\nwrote {out / 'results.json'}")
+    return 0
+
+
+def summarise(args, results: dict) -> dict:
+    """Each finished run as results.json keeps it: windows, lost / failed / differing requests,
+    every request's record, the adaptation and the versions served."""
     off = reference_answers(results, args.compare_to)
     summary = {}
     for name, result in results.items():
-        ws = windows(result, args.window)
         answered = {r["i"] for r in result["rows"]}
-        lost = sum(i not in answered for i in range(args.requests))
-        failed = sum("error" in r for r in result["rows"])
-        differ = sum(off.get(r["i"]) != digest(r["text"]) for r in result["rows"] if "text" in r) if off else None
-        cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in ws)
-        print(f"| {name} (acceptance / tok/s) | {cells} | {lost} | {failed} | {differ} |")
-        capped = sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"])
-        if capped > len(result["rows"]) // 2:
-            print(f"  note: {capped} of {len(result['rows'])} answers of {name} ran to --max-tokens (often a repetition "
-                  "loop, which any lookup drafter copies): the stream measures loops, not the task")
         ok = [r for r in result["rows"] if "error" not in r]
         seconds = sum(r["seconds"] or 0.0 for r in ok)
-        summary[name] = {"windows": ws, "lost": lost, "failed": failed, "differ_from_off": differ,
-                         "requests": [request_record(r) for r in result["rows"]],
-                         "capped": capped,
-                         "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
-                         "adapt": result["adapt"], "versions": result["versions"]}
+        summary[name] = {
+            "windows": windows(result, args.window),
+            "lost": sum(i not in answered for i in range(args.requests)),
+            "failed": len(result["rows"]) - len(ok),
+            "differ_from_off": sum(off.get(r["i"]) != digest(r["text"]) for r in result["rows"] if "text" in r)
+            if off else None,
+            "requests": [request_record(r) for r in result["rows"]],
+            "capped": sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"]),
+            "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
+            "adapt": result["adapt"], "versions": result["versions"]}
+    return summary
+
+
+def print_table(args, summary: dict) -> None:
+    """The windows of every run side by side, and the goals' ratios where their runs are there."""
+    print(f"\nstream: {args.requests} requests ({args.questions or args.task}), head {args.head}, variant "
+          f"merge-budget:{args.head},lookup, max_tokens {args.max_tokens}\n")
+    first = next(iter(summary.values()))["windows"]
+    print("| run | " + " | ".join(w["requests"] for w in first) + " | lost | failed | differ from off |")
+    print("| --- |" + " ---: |" * (len(first) + 3))
+    for name, run_ in summary.items():
+        cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in run_["windows"])
+        print(f"| {name} (acceptance / tok/s) | {cells} | {run_['lost']} | {run_['failed']} | {run_['differ_from_off']} |")
+        if run_["capped"] > len(run_["requests"]) // 2:
+            print(f"  note: {run_['capped']} of {len(run_['requests'])} answers of {name} ran to --max-tokens (often a "
+                  "repetition loop, which any lookup drafter copies): the stream measures loops, not the task")
     if "adapt" in summary:
         ws = summary["adapt"]["windows"]
         print(f"\nadapt: last / first window: acceptance {ws[-1]['acceptance'] / ws[0]['acceptance']:.2f}x "
@@ -238,9 +257,6 @@ def main() -> int:
     if "store" in summary and "off" in summary:
         print(f"store / off tokens/s over the stream: "
               f"{summary['store']['tokens_per_s'] / max(summary['off']['tokens_per_s'], 1e-9):.2f}x (goal 1.15x)")
-    write_json_atomic(out / "results.json", {"args": vars(args), "runs": summary})
-    print(f"\nwrote {out / 'results.json'}")
-    return 0
 
 
 if __name__ == "__main__":

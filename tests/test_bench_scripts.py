@@ -4,6 +4,7 @@ package has one."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
 import json
@@ -54,3 +55,22 @@ def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
     earlier.write_text(json.dumps({"runs": {"off": {"requests": [{"i": 0, "tokens": 3}]}}}))
     with pytest.raises(SystemExit, match="--compare-to"):
         serve_adapt.reference_answers({"adapt": off}, str(earlier))
+
+
+def test_serve_adapt_summarises_each_finished_run(tmp_path):
+    """What results.json keeps after every run (so a run killed later leaves the finished ones):
+    lost, failed and differing requests counted against the off run, windows from the rows."""
+    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
+    serve_adapt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_adapt)
+    args = argparse.Namespace(window=2, requests=4, max_tokens=8, compare_to=None)
+    row = lambda i, text, tokens=4: {"i": i, "text": text, "tokens": tokens, "calls": 2, "seconds": 1.0}
+    off = {"rows": [row(0, "a"), row(1, "b"), row(2, "c"), row(3, "d")], "adapt": None, "versions": []}
+    store = {"rows": [row(0, "a", 8), row(1, "x"), {"i": 2, "error": "Timeout"}], "adapt": None, "versions": []}
+    summary = serve_adapt.summarise(args, {"off": off, "store": store})
+    assert (summary["off"]["lost"], summary["off"]["failed"], summary["off"]["differ_from_off"]) == (0, 0, 0)
+    assert (summary["store"]["lost"], summary["store"]["failed"], summary["store"]["differ_from_off"]) == (1, 1, 1)
+    assert summary["store"]["capped"] == 1  # request 0 ran to max_tokens
+    assert [w["acceptance"] for w in summary["store"]["windows"]] == [3.0, 0.0]
+    assert summary["store"]["tokens_per_s"] == pytest.approx(6.0)
+    assert serve_adapt.summarise(args, {"store": store})["store"]["differ_from_off"] is None  # nothing to compare
