@@ -8,6 +8,7 @@ numbers and names of a GSM8K question, repeating code or a list the answer build
 The tree: for n = max_ngram down to min_ngram, the continuations (up to `depth` tokens) that
 follow the most recent occurrences of the last n tokens are inserted into a trie under the root,
 longest n and most recent occurrence first, until `top_k` continuations or `total_tokens` nodes.
+A continuation that runs into the sequence's end repeats its period (`continuations` says why).
 Node scores make the tree usable in routed and merged compositions, whose rules read them, and
 in `--tree auto`'s budget merge, which reads exp(score) as the node's acceptance probability
 (drafter/auto_tree.py: merge_budget_by_cost). Each source keeps its own running estimate, because
