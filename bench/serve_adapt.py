@@ -244,11 +244,12 @@ def print_table(args, summary: dict) -> None:
     first = next(iter(summary.values()))["windows"]
     print("| run | " + " | ".join(w["requests"] for w in first) + " | lost | failed | differ from off |")
     print("| --- |" + " ---: |" * (len(first) + 3))
-    for name, run_ in summary.items():
-        cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in run_["windows"])
-        print(f"| {name} (acceptance / tok/s) | {cells} | {run_['lost']} | {run_['failed']} | {run_['differ_from_off']} |")
-        if run_["capped"] > len(run_["requests"]) // 2:
-            print(f"  note: {run_['capped']} of {len(run_['requests'])} answers of {name} ran to --max-tokens (often a "
+    for name, figures in summary.items():
+        cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in figures["windows"])
+        print(f"| {name} (acceptance / tok/s) | {cells} | {figures['lost']} | {figures['failed']} | "
+              f"{figures['differ_from_off']} |")
+        if figures["capped"] > len(figures["requests"]) // 2:
+            print(f"  note: {figures['capped']} of {len(figures['requests'])} answers of {name} ran to --max-tokens (often a "
                   "repetition loop, which any lookup drafter copies): the stream measures loops, not the task")
     if "adapt" in summary:
         ws = summary["adapt"]["windows"]
