@@ -197,7 +197,7 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)
     stream = questions(args)
-    results = {}
+    results, summary = {}, {}
     for name in args.runs.split(","):
         learn = None if name == "off" else out / f"learn-{name}"
         if learn is not None and learn.exists():
@@ -205,12 +205,11 @@ def main() -> int:
         results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None)
         print(f"  {name}: done", flush=True)
         # after every run, so that a run killed later still leaves the finished runs' figures
-        write_json_atomic(out / "results.json", {"args": vars(args), "runs": summarise(args, results),
-                                                 "complete": False})
+        summary = summarise(args, results)
+        write_json_atomic(out / "results.json", {"args": vars(args), "runs": summary,
+                                                 "complete": len(results) == len(args.runs.split(","))})
 
-    summary = summarise(args, results)
     print_table(args, summary)
-    write_json_atomic(out / "results.json", {"args": vars(args), "runs": summary, "complete": True})
     print(f"\nwrote {out / 'results.json'}")
     return 0
 

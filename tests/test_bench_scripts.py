@@ -34,12 +34,18 @@ def test_tree_options_are_the_commands_own():
             f"{script.name} re-declares a tree the package defines (config.FIXED_TREE, config.AUTO_TREE_CAPS)"
 
 
+def _serve_adapt():
+    """bench/serve_adapt.py as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
     """A learning run alone (`--runs adapt`) is checked against the `off` answers of an earlier
     results.json, by digest; an earlier file without digests is refused, naming --compare-to."""
-    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
-    serve_adapt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve_adapt)
+    serve_adapt = _serve_adapt()
     off = {"rows": [{"i": 0, "text": "a"}, {"i": 1, "text": "b"}]}
     here = serve_adapt.reference_answers({"off": off}, None)
     assert here == {0: serve_adapt.digest("a"), 1: serve_adapt.digest("b")}
@@ -60,9 +66,7 @@ def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
 def test_serve_adapt_summarises_each_finished_run(tmp_path):
     """What results.json keeps after every run (so a run killed later leaves the finished ones):
     lost, failed and differing requests counted against the off run, windows from the rows."""
-    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
-    serve_adapt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve_adapt)
+    serve_adapt = _serve_adapt()
     args = argparse.Namespace(window=2, requests=4, max_tokens=8, compare_to=None)
     row = lambda i, text, tokens=4: {"i": i, "text": text, "tokens": tokens, "calls": 2, "seconds": 1.0}
     off = {"rows": [row(0, "a"), row(1, "b"), row(2, "c"), row(3, "d")], "adapt": None, "versions": []}

@@ -131,8 +131,8 @@ class LookupProposer:
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             # the last occurrence is the suffix itself: nothing follows it yet
             for start in reversed(self._follows.get(tuple(seq[-n:]), [])[:-1]):
-                period = end - start  # >= 1: the n-gram ends before the sequence does
-                cont = tuple(seq[start + j % period] for j in range(depth))
+                period = seq[start:end]  # >= 1 token: the n-gram ends before the sequence does
+                cont = tuple(period * -(-depth // len(period)))[:depth]  # seq[start + j mod len(period)]
                 if cont not in seen:
                     seen.add(cont)
                     found.append(list(cont))
