@@ -95,7 +95,7 @@ def test_the_datastore_drafts_from_the_longest_shared_context():
     assert three._proposed[(200,)] == pytest.approx(0.75) and three._proposed[(100,)] == pytest.approx(0.25)
 
 
-def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
+def test_prompt_lookup_and_the_datastore_share_the_tree_by_score():
     store = Datastore.of_segments([[3, 4, 10, 11], [3, 4, 10, 12], [3, 4, 20]], depth=4)
     seq = [3, 4, 10, 13, 14, 3, 4]  # prompt lookup: after "3 4" came "10 13 14 3 4"
     proposer = started(seq, store)
@@ -113,8 +113,10 @@ def test_prompt_lookup_first_then_the_datastore_fills_the_tree():
     assert tree.logp[node_10].item() == pytest.approx(math.log(0.5))  # shared with prompt lookup: its score
     alone = started(seq, store, prompt=False).propose()
     assert paths_of(alone) == [[10, 11], [10, 12], [20]]
+    # a budget keeps the best scores of either source: prompt lookup's "10" (log q) and "13"
+    # (2 log q), the datastore's three nodes (log(r / 3)), then "14" (3 log q) before "3" and "4"
     small = started(seq, store, tree=TreeConfig(total_tokens=7, depth=5, top_k=4)).propose()
-    assert small.size == 7 and paths_of(small) == [[10, 13, 14, 3, 4], [20]]
+    assert small.size == 7 and paths_of(small) == [[10, 11], [10, 12], [10, 13, 14], [20]]
     capped = started(seq, store, store_nodes=1).propose()
     assert paths_of(capped) == [[10, 13, 14, 3, 4], [20]]
 

@@ -67,6 +67,16 @@ def test_budget_caps_the_tree():
     assert small.size == 4
 
 
+def test_a_budget_keeps_the_best_scores_not_the_first_continuation():
+    # after "9": the most recent occurrence drafts 7 8 9 7 (its period), the older one 1 2 3 4;
+    # four nodes keep 7 (log q), 8 and 1 (2 log q; log q - log 2), then 9 (ties keep the earlier),
+    # not the first continuation's four levels
+    seq = [9, 1, 2, 3, 4, 5, 9, 7, 8, 9]
+    tree = started(seq, tree=TreeConfig(total_tokens=5, depth=4, top_k=4)).propose()
+    paths = sorted([tree.tokens[i].item() for i in row if i >= 0][1:] for row in tree.paths())
+    assert paths == [[1], [7, 8, 9]]
+
+
 def test_acceptance_rate_is_learned_from_what_the_target_emitted():
     seq = [4, 1, 2, 3, 9, 4]
     proposer = started(seq)

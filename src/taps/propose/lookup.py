@@ -7,7 +7,11 @@ numbers and names of a GSM8K question, repeating code or a list the answer build
 
 The tree: for n = max_ngram down to min_ngram, the continuations (up to `depth` tokens) that
 follow the most recent occurrences of the last n tokens are inserted into a trie under the root,
-longest n and most recent occurrence first, until `top_k` continuations or `total_tokens` nodes.
+longest n and most recent occurrence first, up to `top_k` continuations; the datastore's nodes
+join the same trie; and the `total_tokens - 1` nodes with the best scores (below) are kept, of
+either source. (Filled in insertion order instead, a long first continuation took the budget of
+the others and the datastore got only what prompt lookup left: nothing whenever prompt lookup
+found a few matches, which a one-token match almost always does.)
 A continuation that runs into the sequence's end repeats its period (`continuations` says why).
 Node scores make the tree usable in routed and merged compositions, whose rules read them, and
 in `--tree auto`'s budget merge, which reads exp(score) as the node's acceptance probability
@@ -19,9 +23,9 @@ elsewhere, while a datastore's frequencies say how often *other* answers went on
   verified branch, docs/spec.md §5's conditional acceptance rate) and `rank` orders the
   continuations;
 - datastore (propose/rest.py: a corpus of the target's own earlier answers, REST's retrieval):
-  the datastore's most frequent continuations of the context's longest matching suffix
-  (n = store_max_ngram..store_min_ngram) fill the rest of the tree after prompt lookup's, in the
-  same trie (a path both propose is one node, scored as prompt lookup's), scored
+  up to `store_nodes` of the datastore's most frequent continuations of the context's longest
+  matching suffix (n = store_max_ngram..store_min_ngram), in the same trie as prompt lookup's (a
+  path both propose is one node, scored as prompt lookup's), scored
       logp(node) = log(min(1, r * share))
   where share is the fraction of the datastore's occurrences that continue with the node's path
   (REST's frequency, already a probability of the whole path) and r calibrates it: accepted
@@ -48,14 +52,14 @@ from torch import Tensor
 from taps.core.config import TreeConfig
 from taps.core.proposer import StepInfo
 from taps.propose.rest import Datastore
-from taps.core.tree import DraftTree, TokenPaths
+from taps.core.tree import DraftTree, TokenPaths, rerank
 from taps.core.verify import Acceptance
 
 
 @dataclass(frozen=True)
 class LookupSpec:
     """A lookup member: prompt lookup (n-gram sizes tried, longest first), a datastore, or both
-    (prompt lookup first, then up to `store_nodes` of the datastore's nodes)."""
+    (prompt lookup and up to `store_nodes` of the datastore's nodes, the best scores kept)."""
 
     max_ngram: int = 3
     min_ngram: int = 1
@@ -80,7 +84,7 @@ class LookupProposer:
         self.drafter = drafter  # its index in a composition
         self.datastore, self.prompt = spec.datastore, spec.prompt
         self.store_ngram, self.max_matches = (spec.store_max_ngram, spec.store_min_ngram), max_matches
-        self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the rest of the budget)
+        self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the whole budget)
         self.accepted, self.tried = 1.0, 2.0  # prompt lookup's Beta(1, 1): q starts at 0.5
         self.store_accepted, self.store_promised = 1.0, 2.0  # the datastore's calibration: r starts at 0.5
         self._proposed: dict[tuple[int, ...], float | None] = {}  # last tree: token path -> share (None: prompt lookup)
@@ -150,12 +154,10 @@ class LookupProposer:
         self._proposed = {}
         budget = self.tree.total_tokens - 1
 
-        def add(node: int, token: int, score: float, h: float, share: float | None) -> int | None:
-            """The child of `node` for `token` (made if the budget allows; None if not)."""
+        def add(node: int, token: int, score: float, h: float, share: float | None) -> int:
+            """The child of `node` for `token` (made if new)."""
             if (node, token) in child:
                 return child[(node, token)]
-            if len(tokens) - 1 == budget:
-                return None
             tokens.append(token)
             parents.append(node)
             depth.append(depth[node] + 1)
@@ -171,25 +173,27 @@ class LookupProposer:
             node = 0
             for token in cont:
                 node = add(node, token, (depth[node] + 1) * log_q - math.log(rank + 1), h_q, None)
-                if node is None:
-                    break
-        if self.datastore is not None and len(tokens) - 1 < budget:
+        if self.datastore is not None:
             placed: list[int | None] = []  # the tree node of each datastore node (None: left out)
-            if self.store_nodes is not None:
-                budget = min(budget, len(tokens) - 1 + self.store_nodes)
+            fresh, cap = 0, budget if self.store_nodes is None else min(budget, self.store_nodes)
             for found in self.datastore.draft(self._seq, budget, self.tree.depth, *self.store_ngram,
                                               max_matches=self.max_matches):
                 up = 0 if found.parent < 0 else placed[found.parent]
+                new = up is not None and (up, found.token) not in child
+                if up is None or (new and fresh == cap):  # most frequent first: the rest is left out
+                    placed.append(None)
+                    continue
+                fresh += new  # nodes prompt lookup also proposed do not count against the cap
                 score = min(0.0, log_r + math.log(found.share))  # log(min(1, r * share))
-                placed.append(None if up is None else
-                              add(up, found.token, score, _binary_entropy(math.exp(score)), found.share))
-        return DraftTree.drafted(
+                placed.append(add(up, found.token, score, _binary_entropy(math.exp(score)), found.share))
+        drafted = DraftTree.drafted(
             tokens=torch.tensor(tokens, dtype=torch.long, device=self._device),
             parents=torch.tensor(parents, dtype=torch.long, device=self._device),
             logp=torch.tensor(logp, device=self._device),
             entropy=torch.tensor(entropy, device=self._device),
             drafter=self.drafter,
         )
+        return rerank(drafted, budget + 1)  # the best `budget` nodes of both sources, by their estimates
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         """Score this proposer's tree against the tokens the target emitted (whichever tree was
