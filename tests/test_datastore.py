@@ -80,6 +80,24 @@ def test_sampling_the_occurrences_keeps_their_proportions():
 
 
 # ---- the lookup tree with a datastore -----------------------------------------------------------
+def test_the_longest_matching_suffix_is_the_one_a_scan_finds():
+    """match() searches the suffix length by bisection: on random contexts over a small alphabet
+    (many matches, some none) it finds the same length as scanning every segment."""
+    rng = np.random.default_rng(0)
+    segments = [rng.integers(0, 6, 30).tolist() for _ in range(5)]
+    store = Datastore.of_segments(segments, depth=8)
+
+    def occurs(gram):
+        return any(seg[i:i + len(gram)] == gram for seg in segments for i in range(len(seg) - len(gram) + 1))
+
+    for _ in range(300):
+        context = rng.integers(0, 7, int(rng.integers(1, 13))).tolist()  # 6 never occurs
+        for min_ngram in (1, 3):
+            top = min(8, len(context))
+            longest = next((n for n in range(top, min_ngram - 1, -1) if occurs(context[-n:])), 0)
+            assert store.match(context, 8, min_ngram)[0] == longest
+
+
 def test_the_datastore_drafts_from_the_longest_shared_context():
     """A context of 12 tokens seen once before outweighs its last 3 tokens seen three times
     elsewhere: the store matches the longest suffix it holds (up to 16 tokens), as a store of one
