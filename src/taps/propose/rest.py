@@ -221,13 +221,14 @@ class Datastore:
         suffix that occurs with a continuation, highest count first, parents before children."""
         if budget <= 0 or depth <= 0:
             return []
-        n, lo, hi = self.match(context, max_ngram, min_ngram)
+        n, lo, hi = self.match(context, max_ngram, min_ngram)  # n = 0: no suffix occurs
         while n >= max(min_ngram, 1):
             nodes = trie_nodes(self.continuations(n, lo, hi, depth, max_matches), budget)
             if nodes:
                 return nodes
             n -= 1  # every occurrence ends its segment: a shorter suffix (which occurs too)
-            lo, hi = self._range(list(context[-n:])) if n >= max(min_ngram, 1) else (0, 0)
+            if n:
+                lo, hi = self._range(list(context[-n:]))
         return []
 
 
