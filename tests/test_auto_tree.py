@@ -176,6 +176,24 @@ def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay()
     assert merge_budget_by_cost([head, lookup], 3, AutoTree(FLAT, top_k=4), sized=0b01).size == 3  # the cap holds
 
 
+def test_a_heads_calibration_counts_a_dropped_node_the_target_agreed_with():
+    """A budget merge's cut, the decoder's depth trim or a router may leave a head's node out of the
+    verified tree; if the target's next token (the bonus) is that node's token, the head's
+    calibration counts it as accepted, not as a miss (a verified node never matches the bonus)."""
+    from taps.core.verify import Acceptance
+
+    model, target, head = setup_llama()
+    proposer = SingleProposer(head, TreeConfig(16, 4, 4), policy=AutoTree(FLAT, top_k=4))
+    prompt = prompts(1, seed=8)[0]
+    features = target.encode(torch.tensor([prompt]))[0]
+    proposer.start(features[:-1], torch.tensor(prompt))
+    tree = _chain([5, 6, 7], [0.9, 0.8, 0.7], drafter=0)
+    before = proposer.policy.calibration.hits.sum().item()
+    accepted = Acceptance(nodes=torch.tensor([0, 1]), tokens=torch.tensor([0, 5]), bonus=6)  # node 2 was dropped
+    proposer.observe(tree, accepted, features[-2:])
+    assert proposer.policy.calibration.hits.sum().item() - before == pytest.approx(2.0)  # 5, and 6 by the bonus
+
+
 def _paths(tree):
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     leaves = set(range(1, tree.size)) - set(parents)

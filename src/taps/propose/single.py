@@ -37,8 +37,11 @@ class SingleProposer:
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         if self.policy is not None and tree.size > 1:
-            # by token path, not node id: the decoder may have trimmed the tree, or verified another one
-            on_path = path_nodes(tree, acceptance.tokens[1:].tolist())  # [N] bool
+            # by token path, not node id: the decoder may have trimmed the tree, a budget merge cut it,
+            # or a router verified another member's. The bonus token counts: a node it matches was not
+            # verified but would have been accepted (a verified one never matches it), so a node left
+            # out is not taken for a rejected one, which would teach the calibration to leave it out
+            on_path = path_nodes(tree, acceptance.new_tokens)  # [N] bool
             self.policy.observe(tree.confidence[1:], on_path[1:])
         next_tokens = torch.tensor(acceptance.new_tokens, dtype=torch.long, device=features.device)  # [A+1]
         self._ctx = consume(self.head, self._ctx, next_tokens, features)
