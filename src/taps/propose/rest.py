@@ -222,12 +222,13 @@ class Datastore:
         if budget <= 0 or depth <= 0:
             return []
         n, lo, hi = self.match(context, max_ngram, min_ngram)  # n = 0: no suffix occurs
-        while n >= max(min_ngram, 1):
+        shortest = max(min_ngram, 1)
+        while n >= shortest:
             nodes = trie_nodes(self.continuations(n, lo, hi, depth, max_matches), budget)
             if nodes:
                 return nodes
             n -= 1  # every occurrence ends its segment: a shorter suffix (which occurs too)
-            if n:
+            if n >= shortest:  # (not past the loop's end: no index search for a length never read)
                 lo, hi = self._range(list(context[-n:]))
         return []
 
