@@ -15,6 +15,15 @@ trained on chat (ShareGPT) and math answers (the math heads on answers to these 
 questions), never on translations, summaries or extractions.
 `--questions FILE` takes any FastChat question.jsonl instead (Spec-Bench's translation category, say).
 
+The machine's speed drifts while a run lasts (10-30 % within minutes on the shared 2-core machines
+of docs/learn.md, 2x once), and the goal compares the first window with the last, half an hour
+apart. So every --gauge-every requests a run also decodes one fixed prompt (the first question past
+the stream, or the first when there is none) twice, neither learned from: plain decoding (--gauge-tokens / 2 tokens), and the head
+alone from a copy of its directory that no swap touches (--gauge-tokens tokens). Their tokens/s per
+window are printed beside the stream's, and the goal's tokens/s ratio is printed both as measured
+and over the head gauge of its window (the same work at the same time: what the machine's speed
+did, taken out).
+
 Each request is greedy, one client at a time; the variant is the same in every run,
 `merge-budget:HEAD,lookup` (under --tree auto, lookup's nodes join where they pay). Counted and
 printed per run: lost requests (no answer) and failed ones (an error answer), and answers that
@@ -37,6 +46,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,11 +77,46 @@ def questions(args) -> list[str]:
         texts = [TASKS[args.task].format(q=row["question"]) for row in rows]
     if len(texts) < args.requests:
         raise SystemExit(f"{len(texts)} questions, fewer than --requests {args.requests}")
-    return texts[:args.requests]
+    return texts
 
 
-def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int | None) -> dict:
-    """One run of the stream through a fresh server; per request: usage figures or the error."""
+def gauge_name(head: str) -> str:
+    return f"{head}-gauge"
+
+
+def gauge_dir(args, out: Path) -> Path:
+    """A copy of the head's directory for the gauge: the server's pool keys heads by directory and a
+    swap replaces the head of --head's, so the gauge reads its own copy, version 0 for good."""
+    copy = out / gauge_name(args.head)
+    if not copy.exists():
+        shutil.copytree(Path(args.drafters) / args.head, copy.with_suffix(".tmp"), dirs_exist_ok=True)
+        copy.with_suffix(".tmp").rename(copy)
+    return copy
+
+
+def measure_gauge(client, args, prompt: str, after: int) -> list[dict]:
+    """The fixed prompt, plain and by the head alone, not learned from; a gauge that fails is
+    recorded as such (the stream goes on)."""
+    rows = []
+    for variant, tokens in (("plain", max(args.gauge_tokens // 2, 1)), (gauge_name(args.head), args.gauge_tokens)):
+        try:
+            reply = client.chat.completions.create(
+                model="target", messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
+                extra_body={"taps": {"variant": variant, "learn": False}})
+            u = reply.usage.model_extra
+            rows.append({"after": after, "variant": "plain" if variant == "plain" else "head",
+                         "tokens": reply.usage.completion_tokens,
+                         "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
+                         if u.get("tokens_per_second") else None})
+        except Exception as err:
+            rows.append({"after": after, "variant": variant, "error": f"{type(err).__name__}: {err}"})
+    return rows
+
+
+def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int | None,
+        gauge: tuple[str, Path] | None = None) -> dict:
+    """One run of the stream through a fresh server; per request: usage figures or the error; per
+    gauge (prompt, head copy), every --gauge-every requests: its two decodes."""
     import openai
 
     from taps.serve.app import Limits, create_app, serving
@@ -80,11 +125,12 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
     from taps.serve.swap import HeadSwapper
 
     head_dir = str(Path(args.drafters) / args.head)
-    engine = Engine.load(target_ref(args), [(args.head, head_dir)], [f"learning=merge-budget:{args.head},lookup"],
+    drafters = [(args.head, head_dir)] + ([(gauge_name(args.head), str(gauge[1]))] if gauge else [])
+    engine = Engine.load(target_ref(args), drafters, [f"learning=merge-budget:{args.head},lookup"],
                          speculation_from(args), model_id="target")
     learner = Learner(learn, engine) if learn is not None else None
     swapper = HeadSwapper(learn, engine, check_after=args.check_after, poll_s=None) if learn is not None else None
-    rows, adapted = [], None
+    rows, gauges, adapted = [], [], None
     with serving(create_app(engine, Limits(max_tokens=args.max_tokens), learner=learner, swapper=swapper)) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
         for i, text in enumerate(stream):
@@ -110,6 +156,8 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
                 rows.append({"i": i, "error": f"{type(err).__name__}: {err}"})
             if learner is not None:  # requests spaced out: each one drafts from every earlier answer (reproducible)
                 learner.flush()
+            if gauge is not None and i % args.gauge_every == args.gauge_every // 2:  # mid-way through each group
+                gauges.extend(measure_gauge(client, args, gauge[0], i))
             if (i + 1) % args.window == 0:
                 part = [r for r in rows[-args.window:] if "error" not in r]
                 calls = sum(r["calls"] for r in part)
@@ -118,19 +166,35 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
         if learner is not None:
             learner.flush()
     versions = swapper.rows() if swapper is not None else []
-    return {"run": name, "rows": rows, "adapt": adapted, "versions": versions}
+    return {"run": name, "rows": rows, "adapt": adapted, "versions": versions, "gauges": gauges}
+
+
+def rate(rows: list[dict]) -> float:
+    """tokens/s of these rows together (0.0: none timed)."""
+    seconds = sum(r["seconds"] or 0.0 for r in rows)
+    return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
 
 
 def windows(result: dict, size: int) -> list[dict]:
+    """Per window of `size` requests: acceptance and tokens/s of its answers, and the tokens/s of the
+    gauges measured inside it (0.0 where none)."""
     out = []
     ok = [r for r in result["rows"] if "error" not in r]
+    gauges = [g for g in result.get("gauges", []) if "error" not in g]
     for start in range(0, max(r["i"] for r in result["rows"]) + 1, size):
         part = [r for r in ok if start <= r["i"] < start + size]
         tokens, calls = sum(r["tokens"] for r in part), sum(r["calls"] for r in part)
-        seconds = sum(r["seconds"] or 0.0 for r in part)
+        inside = [g for g in gauges if start <= g["after"] < start + size]
         out.append({"requests": f"{start + 1}-{start + size}", "acceptance": tokens / calls if calls else 0.0,
-                    "tokens_per_s": tokens / seconds if seconds else 0.0})
+                    "tokens_per_s": rate(part),
+                    "gauge_plain_tokens_per_s": rate([g for g in inside if g["variant"] == "plain"]),
+                    "gauge_head_tokens_per_s": rate([g for g in inside if g["variant"] == "head"])})
     return out
+
+
+def over_gauge(window: dict) -> float | None:
+    """The window's tokens/s over its head gauge's (None: no gauge in it)."""
+    return window["tokens_per_s"] / window["gauge_head_tokens_per_s"] if window["gauge_head_tokens_per_s"] else None
 
 
 def digest(text: str) -> str:
@@ -184,6 +248,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the server (default 1: beside the server's own threads, torch's default of "
                         "every core oversubscribes a 2-core machine and its tokens/s stop meaning anything)")
+    p.add_argument("--gauge-every", type=int, default=5,
+                   help="decode the gauge prompt after every this many requests (0: no gauge)")
+    p.add_argument("--gauge-tokens", type=int, default=64, help="the head gauge's tokens (plain: half as many)")
     p.add_argument("--out", help="write results.json here (default: a temporary directory)")
     p.add_argument("--compare-to", help="an earlier results.json whose `off` answers this invocation's are checked "
                                         "against, when it runs no `off` itself")
@@ -196,13 +263,18 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)
-    stream = questions(args)
+    if args.gauge_every < 0 or args.gauge_tokens < 1:
+        p.error("--gauge-every must be >= 0 and --gauge-tokens >= 1")
+    texts = questions(args)
+    stream = texts[:args.requests]
+    gauge = (texts[args.requests] if len(texts) > args.requests else texts[0], gauge_dir(args, out)) \
+        if args.gauge_every else None
     results, summary = {}, {}
     for name in args.runs.split(","):
         learn = None if name == "off" else out / f"learn-{name}"
         if learn is not None and learn.exists():
             raise SystemExit(f"{learn} exists: give a new --out (a learning run starts from nothing)")
-        results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None)
+        results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None, gauge)
         print(f"  {name}: done", flush=True)
         # after every run, so that a run killed later still leaves the finished runs' figures
         summary = summarise(args, results)
@@ -232,7 +304,9 @@ def summarise(args, results: dict) -> dict:
             "requests": [request_record(r) for r in result["rows"]],
             "capped": sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"]),
             "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
-            "adapt": result["adapt"], "versions": result["versions"]}
+            "gauge_head_tokens_per_s": rate([g for g in result.get("gauges", []) if g.get("variant") == "head"
+                                             and "error" not in g]),
+            "adapt": result["adapt"], "versions": result["versions"], "gauges": result.get("gauges", [])}
     return summary
 
 
@@ -247,6 +321,10 @@ def print_table(args, summary: dict) -> None:
         cells = " | ".join(f"{w['acceptance']:.2f} / {w['tokens_per_s']:.0f}" for w in figures["windows"])
         print(f"| {name} (acceptance / tok/s) | {cells} | {figures['lost']} | {figures['failed']} | "
               f"{figures['differ_from_off']} |")
+        if any(w["gauge_head_tokens_per_s"] for w in figures["windows"]):
+            gauged = " | ".join(f"{w['gauge_plain_tokens_per_s']:.0f} / {w['gauge_head_tokens_per_s']:.0f}"
+                                for w in figures["windows"])
+            print(f"| {name} gauge (plain / head tok/s) | {gauged} | | | |")
         if figures["capped"] > len(figures["requests"]) // 2:
             print(f"  note: {figures['capped']} of {len(figures['requests'])} answers of {name} ran to --max-tokens (often a "
                   "repetition loop, which any lookup drafter copies): the stream measures loops, not the task")
@@ -254,9 +332,20 @@ def print_table(args, summary: dict) -> None:
         ws = summary["adapt"]["windows"]
         print(f"\nadapt: last / first window: acceptance {ws[-1]['acceptance'] / ws[0]['acceptance']:.2f}x "
               f"(goal 1.5x), tokens/s {ws[-1]['tokens_per_s'] / max(ws[0]['tokens_per_s'], 1e-9):.2f}x (goal 1.3x)")
+        first, last = over_gauge(ws[0]), over_gauge(ws[-1])
+        if first and last:
+            print(f"adapt: last / first window's tokens/s over its head gauge: {last / first:.2f}x (the machine's "
+                  f"speed taken out; head gauge {ws[0]['gauge_head_tokens_per_s']:.1f} -> "
+                  f"{ws[-1]['gauge_head_tokens_per_s']:.1f} tok/s, plain {ws[0]['gauge_plain_tokens_per_s']:.1f} -> "
+                  f"{ws[-1]['gauge_plain_tokens_per_s']:.1f})")
     if "store" in summary and "off" in summary:
         print(f"store / off tokens/s over the stream: "
               f"{summary['store']['tokens_per_s'] / max(summary['off']['tokens_per_s'], 1e-9):.2f}x (goal 1.15x)")
+        store, off = summary["store"], summary["off"]
+        if store["gauge_head_tokens_per_s"] and off["gauge_head_tokens_per_s"]:
+            print(f"store / off over each run's head gauge: "
+                  f"{store['tokens_per_s'] / store['gauge_head_tokens_per_s'] / (off['tokens_per_s'] / off['gauge_head_tokens_per_s']):.2f}x "
+                  f"(head gauge {off['gauge_head_tokens_per_s']:.1f} in off, {store['gauge_head_tokens_per_s']:.1f} in store)")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,26 @@ def test_serve_adapt_summarises_each_finished_run(tmp_path):
     assert [w["acceptance"] for w in summary["store"]["windows"]] == [3.0, 0.0]
     assert summary["store"]["tokens_per_s"] == pytest.approx(6.0)
     assert serve_adapt.summarise(args, {"store": store})["store"]["differ_from_off"] is None  # nothing to compare
+
+
+def test_serve_adapt_windows_carry_the_gauges_measured_inside_them():
+    """Each window's gauge tokens/s come from the gauges measured within its requests (a failed
+    gauge counts for nothing), and its tokens/s over the head gauge is what the goal's ratio
+    divides: the machine's speed at that time taken out."""
+    serve_adapt = _serve_adapt()
+    row = lambda i: {"i": i, "text": "a", "tokens": 6, "calls": 2, "seconds": 1.0}
+    gauges = [{"after": 0, "variant": "plain", "tokens": 4, "seconds": 2.0},
+              {"after": 1, "variant": "head", "tokens": 8, "seconds": 2.0},
+              {"after": 3, "variant": "head", "tokens": 6, "seconds": 0.5},
+              {"after": 3, "variant": "head", "tokens": 6, "seconds": 1.5},
+              {"after": 2, "variant": "plain", "error": "Timeout"}]
+    first, second = serve_adapt.windows({"rows": [row(i) for i in range(4)], "gauges": gauges}, 2)
+    assert (first["gauge_plain_tokens_per_s"], first["gauge_head_tokens_per_s"]) == (2.0, 4.0)
+    assert (second["gauge_plain_tokens_per_s"], second["gauge_head_tokens_per_s"]) == (0.0, 6.0)
+    assert serve_adapt.over_gauge(first) == pytest.approx(6.0 / 4.0)
+    assert serve_adapt.over_gauge(second) == pytest.approx(1.0)
+    assert serve_adapt.over_gauge({**second, "gauge_head_tokens_per_s": 0.0}) is None
+    args = argparse.Namespace(window=2, requests=4, max_tokens=8, compare_to=None)
+    summary = serve_adapt.summarise(args, {"off": {"rows": [row(i) for i in range(4)], "adapt": None, "versions": [],
+                                                   "gauges": gauges}})
+    assert summary["off"]["gauge_head_tokens_per_s"] == pytest.approx(20 / 4.0)
