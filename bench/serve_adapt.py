@@ -105,7 +105,7 @@ def measure_gauge(client, args, prompt: str, after: int) -> list[dict]:
                 extra_body={"taps": {"variant": variant, "learn": False}})
             u = reply.usage.model_extra
             rows.append({"after": after, "variant": "plain" if variant == "plain" else "head",
-                         "tokens": reply.usage.completion_tokens,
+                         "tokens": reply.usage.completion_tokens, "calls": u["verifier_calls"],
                          "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
                          if u.get("tokens_per_second") else None})
         except Exception as err:
