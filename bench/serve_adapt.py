@@ -18,11 +18,11 @@ questions), never on translations, summaries or extractions.
 The machine's speed drifts while a run lasts (10-30 % within minutes on the shared 2-core machines
 of docs/learn.md, 2x once), and the goal compares the first window with the last, half an hour
 apart. So every --gauge-every requests a run also decodes one fixed prompt (the first question past
-the stream, or the first when there is none) twice, neither learned from: plain decoding (--gauge-tokens / 2 tokens), and the head
-alone from a copy of its directory that no swap touches (--gauge-tokens tokens). Their tokens/s per
-window are printed beside the stream's, and the goal's tokens/s ratio is printed both as measured
-and over the head gauge of its window (the same work at the same time: what the machine's speed
-did, taken out).
+the stream, or the first when there is none) twice, neither learned from: plain decoding
+(--gauge-tokens / 2 tokens), and the head alone from a copy of its directory that no swap touches
+(--gauge-tokens tokens). Their tokens/s per window are printed beside the stream's, and the goals'
+tokens/s ratios are printed both as measured and over the head gauge of their windows (the same
+work at the same time: what the machine's speed did, taken out).
 
 Each request is greedy, one client at a time; the variant is the same in every run,
 `merge-budget:HEAD,lookup` (under --tree auto, lookup's nodes join where they pay). Counted and
@@ -98,18 +98,19 @@ def measure_gauge(client, args, prompt: str, after: int) -> list[dict]:
     """The fixed prompt, plain and by the head alone, not learned from; a gauge that fails is
     recorded as such (the stream goes on)."""
     rows = []
-    for variant, tokens in (("plain", max(args.gauge_tokens // 2, 1)), (gauge_name(args.head), args.gauge_tokens)):
+    for label, variant, tokens in (("plain", "plain", max(args.gauge_tokens // 2, 1)),
+                                   ("head", gauge_name(args.head), args.gauge_tokens)):
         try:
             reply = client.chat.completions.create(
                 model="target", messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
                 extra_body={"taps": {"variant": variant, "learn": False}})
             u = reply.usage.model_extra
-            rows.append({"after": after, "variant": "plain" if variant == "plain" else "head",
+            rows.append({"after": after, "variant": label,
                          "tokens": reply.usage.completion_tokens, "calls": u["verifier_calls"],
                          "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
                          if u.get("tokens_per_second") else None})
         except Exception as err:
-            rows.append({"after": after, "variant": variant, "error": f"{type(err).__name__}: {err}"})
+            rows.append({"after": after, "variant": label, "error": f"{type(err).__name__}: {err}"})
     return rows
 
 
