@@ -295,7 +295,6 @@ def summarise(args, results: dict) -> dict:
     for name, result in results.items():
         answered = {r["i"] for r in result["rows"]}
         ok = [r for r in result["rows"] if "error" not in r]
-        seconds = sum(r["seconds"] or 0.0 for r in ok)
         summary[name] = {
             "windows": windows(result, args.window),
             "lost": sum(i not in answered for i in range(args.requests)),
@@ -304,7 +303,7 @@ def summarise(args, results: dict) -> dict:
             if off else None,
             "requests": [request_record(r) for r in result["rows"]],
             "capped": sum(r.get("tokens", 0) >= args.max_tokens for r in result["rows"]),
-            "tokens_per_s": sum(r["tokens"] for r in ok) / seconds if seconds else 0.0,
+            "tokens_per_s": rate(ok),
             "gauge_head_tokens_per_s": rate([g for g in result.get("gauges", []) if g.get("variant") == "head"
                                              and "error" not in g]),
             "adapt": result["adapt"], "versions": result["versions"], "gauges": result.get("gauges", [])}
