@@ -6,6 +6,9 @@ requests of a task none of the shipped heads was trained on, for three runs over
   adapt    --learn, and after --adapt-after requests one `taps adapt` (its own process; the stream
            waits for it, so its CPU time does not count against the server's), whose new version
            the server swaps in before the next request (if the adaptation wrote one)
+  plain    no drafting (every request plain decoding, nothing learned): the reference that
+           bench/compare_answers.py checks the other runs' answers against where outputs may
+           differ (bf16: a tree forward rounds differently from a one-token forward)
 
 Not a test: it prints figures; run it on an idle machine. The task (public data available
 offline): translating GSM8K *train* questions into French (`--task translate`: SmolLM2-135M cannot,
@@ -132,6 +135,7 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
     learner = Learner(learn, engine) if learn is not None else None
     swapper = HeadSwapper(learn, engine, check_after=args.check_after, poll_s=None) if learn is not None else None
     rows, gauges, adapted = [], [], None
+    body = {"taps": {"variant": "plain", "learn": False}} if name == "plain" else None
     with serving(create_app(engine, Limits(max_tokens=args.max_tokens), learner=learner, swapper=swapper)) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
         for i, text in enumerate(stream):
@@ -148,7 +152,7 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
                 swapper.scan()
             try:
                 reply = client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
-                                                       max_tokens=args.max_tokens, temperature=0)
+                                                       max_tokens=args.max_tokens, temperature=0, extra_body=body)
                 u = reply.usage.model_extra
                 rows.append({"i": i, "text": reply.choices[0].message.content, "tokens": reply.usage.completion_tokens,
                              "calls": u["verifier_calls"], "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
@@ -245,7 +249,7 @@ def main() -> int:
     p.add_argument("--data-dir", default=os.environ.get("TAPS_DATA_DIR") or "../shared/data")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
-    p.add_argument("--runs", default="off,store,adapt")
+    p.add_argument("--runs", default="off,store,adapt", help="comma-separated, in order: off, store, adapt, plain")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the server (default 1: beside the server's own threads, torch's default of "
                         "every core oversubscribes a 2-core machine and its tokens/s stop meaning anything)")
@@ -264,6 +268,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)
+    unknown = [name for name in args.runs.split(",") if name not in ("off", "store", "adapt", "plain")]
+    if unknown:
+        p.error(f"--runs: unknown run {unknown[0]!r} (off, store, adapt, plain)")
     if args.gauge_every < 0 or args.gauge_tokens < 1:
         p.error("--gauge-every must be >= 0 and --gauge-tokens >= 1")
     texts = questions(args)
@@ -272,7 +279,7 @@ def main() -> int:
         if args.gauge_every else None
     results, summary = {}, {}
     for name in args.runs.split(","):
-        learn = None if name == "off" else out / f"learn-{name}"
+        learn = None if name in ("off", "plain") else out / f"learn-{name}"
         if learn is not None and learn.exists():
             raise SystemExit(f"{learn} exists: give a new --out (a learning run starts from nothing)")
         results[name] = run(args, name, stream, learn, args.adapt_after if name == "adapt" else None, gauge)

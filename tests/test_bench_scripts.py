@@ -101,3 +101,36 @@ def test_serve_adapt_windows_carry_the_gauges_measured_inside_them():
     summary = serve_adapt.summarise(args, {"off": {"rows": [row(i) for i in range(4)], "adapt": None, "versions": [],
                                                    "gauges": gauges}})
     assert summary["off"]["gauge_head_tokens_per_s"] == pytest.approx(20 / 4.0)
+
+
+def _compare_answers():
+    spec = importlib.util.spec_from_file_location("compare_answers", BENCH / "compare_answers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_answers_counts_differing_answers_over_the_requests_both_runs_answered(tmp_path, capsys):
+    """A plain run over the first requests is the reference; each run of another results.json is
+    counted over the shared requests only (a failed request has no digest and is left out); a
+    missing run or a file that is not a results.json exits 2 naming it."""
+    compare = _compare_answers()
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"runs": {"plain": {"requests": [
+        {"i": 0, "answer_sha256": "a"}, {"i": 1, "answer_sha256": "b"}, {"i": 2, "error": "Timeout"}]}}}))
+    stream = tmp_path / "stream.json"
+    stream.write_text(json.dumps({"runs": {
+        "off": {"requests": [{"i": 0, "answer_sha256": "a"}, {"i": 1, "answer_sha256": "x"},
+                             {"i": 2, "answer_sha256": "c"}, {"i": 3, "answer_sha256": "d"}]},
+        "store": {"requests": [{"i": 0, "answer_sha256": "a"}, {"i": 1, "error": "Timeout"}]}}}))
+    assert compare.main([f"{plain}:plain", str(stream)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"off: 1 of 2 answers differ from {plain}:plain (50%)")
+    assert lines[1].endswith(f"store: 0 of 1 answers differ from {plain}:plain (0%)")
+    assert compare.main([f"{plain}:adapt", str(stream)]) == 2
+    assert "no run 'adapt'" in capsys.readouterr().err
+    not_results = tmp_path / "other.json"
+    not_results.write_text("[1, 2]")
+    assert compare.main([f"{plain}:plain", str(not_results)]) == 2
+    assert str(not_results) in capsys.readouterr().err
+    assert compare.main([str(plain), str(stream)]) == 2
