@@ -92,6 +92,8 @@ def test_compositions_take_one_policy_per_head():
     prompt = prompts(2, seed=5)[1]
     result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=16))
     assert result.tokens == hf_greedy(model, prompt, 16) and len(made) == 2
+    # heads alone keep the budget merge of their own policy-sized trees: no lookup to price against
+    assert proposer.first == () and proposer.brief is None and proposer.observe_merge is None
 
 
 def test_cli_tree_auto(target_dir, tmp_path, monkeypatch, capsys):
@@ -162,7 +164,7 @@ def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay()
     from taps.drafter.auto_tree import merge_budget_by_cost
     from taps.core.tree import merge_budget
 
-    head = _chain([5, 6, 7], [0.9, 0.6, 0.2], drafter=0)  # sized by the head's own policy: always kept
+    head = _chain([5, 6, 7], [0.9, 0.6, 0.2], drafter=0)  # 6, 7: priced by policy.alone (fresh: a(c) = c)
     lookup = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], drafter=1)  # shares node 5 with the head
     flat = merge_budget_by_cost([head, lookup], 32, AutoTree(FLAT, top_k=4), sized=0b01)
     assert flat.tokens.tolist() == merge_budget([head, lookup], 32).tokens.tolist()  # free nodes: all of them
@@ -172,8 +174,58 @@ def test_a_budget_merge_under_auto_trees_adds_lookup_nodes_only_where_they_pay()
     cut = merge_budget_by_cost([head, lookup], 32, AutoTree(linear, top_k=4), sized=0b01)
     paths = sorted(tuple(p) for p in _paths(cut))
     assert (5, 6, 7) in paths and (5, 8, 9) in paths and (5, 8, 9, 10) not in paths
-    assert merge_budget_by_cost([head, lookup], 32, AutoTree(STEEP, top_k=4), sized=0b01).size == 4  # the head's
+    steep = merge_budget_by_cost([head, lookup], 32, AutoTree(STEEP, top_k=4), sized=0b01)
+    assert steep.tokens.tolist() == [0, 5]  # only the node both proposed: kept whatever it costs
     assert merge_budget_by_cost([head, lookup], 3, AutoTree(FLAT, top_k=4), sized=0b01).size == 3  # the cap holds
+
+
+def test_a_budget_merge_prices_the_nodes_only_the_head_proposed_by_what_they_earned_in_merges():
+    """The head's own nodes that lookup did not propose are priced by `policy.alone`, which
+    observe_budget_merge teaches from each verified step over the members' uncut trees: once
+    such nodes keep missing, the merge cuts them; the nodes both proposed stay, and the cut set
+    is closed under parents."""
+    from taps.drafter.auto_tree import merge_budget_by_cost, observe_budget_merge
+
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})
+    head = _chain([5, 6, 7], [0.9, 0.6, 0.5], drafter=0)
+    lookup = _chain([5, 8], [0.8, 0.5], drafter=1)
+    policy = AutoTree(linear, top_k=4)
+    fresh = merge_budget_by_cost([head, lookup], 32, policy, sized=0b01)
+    assert sorted(tuple(p) for p in _paths(fresh)) == [(5, 6, 7), (5, 8)]
+    for _ in range(20):  # the target takes lookup's path every time: 6 and 7 miss, 5 and 8 are accepted
+        observe_budget_merge([head, lookup], [5, 8, 3], policy, sized=0b01)
+    hits = policy.alone(torch.tensor([0.6, 0.5], dtype=torch.float64))
+    assert hits.max() < 0.2  # from the a(c) = c it started at
+    assert policy.calibration.seen.sum() == Calibration().seen.sum()  # the head's own calibration untouched
+    cut = merge_budget_by_cost([head, lookup], 32, policy, sized=0b01)
+    assert sorted(tuple(p) for p in _paths(cut)) == [(5, 8)]
+    for _ in range(60):  # now the head's path is the one taken (7 by the bonus): its nodes come back
+        observe_budget_merge([head, lookup], [5, 6, 7], policy, sized=0b01)
+    assert sorted(tuple(p) for p in _paths(merge_budget_by_cost([head, lookup], 32, policy, sized=0b01))) == \
+        [(5, 6, 7), (5, 8)]
+
+
+def test_a_head_in_a_budget_merge_sizes_its_tree_over_what_lookup_already_offers():
+    """brief_sized_members hands the heads' policies the expected tokens and node count of the
+    model-free members' best-paying share; a head's node must then raise the rate of the whole
+    merged tree, so beside a confident lookup chain the head keeps fewer nodes and stops drafting
+    sooner; with nothing from lookup it sizes its tree as if alone."""
+    from taps.drafter.auto_tree import brief_sized_members
+
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})
+    policy = AutoTree(linear, top_k=4)
+    scores = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.1]))
+    alone = policy.tree_tokens(scores, 2, 32)
+    lookup = _chain([5, 8, 9, 10, 11, 12], [0.95, 0.9, 0.85, 0.8, 0.75, 0.7], drafter=1)
+    brief_sized_members([lookup], [policy])
+    assert policy.given[1] == 6 and policy.given[0] == pytest.approx(4.95)  # every node pays at 1 ms a token
+    beside = policy.tree_tokens(scores, 2, 32)
+    assert 1 < beside < alone
+    beams = torch.log(torch.tensor([0.3, 0.2]))
+    assert not policy.go_deeper(scores, beams, 2)
+    brief_sized_members([], [policy])
+    assert policy.given == (0.0, 0) and policy.tree_tokens(scores, 2, 32) == alone
+    assert policy.go_deeper(scores, beams, 2)
 
 
 def test_a_heads_calibration_counts_a_dropped_node_the_target_agreed_with():
@@ -216,6 +268,10 @@ def test_head_and_lookup_merged_by_cost_decode_losslessly():
         prompt = prompts(2, seed=9)[0] * 2  # a repeat, so prompt lookup has something to offer
         result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=24))
         assert result.tokens == hf_greedy(model, prompt, 24)
+        assert proposer.first == (1,)  # lookup drafts first, and the head hears what it offers
+        if costs is FLAT:  # (this tiny head drafts nothing where tokens cost more)
+            # the verified steps taught the merge what the head's nodes alone are worth
+            assert proposer.proposers[0].policy.alone.seen.sum() > Calibration().seen.sum()
 
 
 def test_a_priced_budget_merge_lets_lookup_chains_run_past_the_heads_depth_cap():

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from taps.core.tree import DraftTree, keep_nodes, merge_trie, path_scores, rerank
+from taps.core.tree import DraftTree, TokenPaths, keep_nodes, merge_trie, path_scores, rerank
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
@@ -146,7 +146,12 @@ class AutoTree:
     top_k: int = 8
     calibration: Calibration = field(default_factory=Calibration)
     chosen: list[tuple[int, int]] = field(default_factory=list)  # (levels drafted, tree tokens) per step
+    # a(c) of this head's nodes that no other member of a budget merge proposed (merge_budget_by_cost)
+    alone: Calibration = field(default_factory=Calibration)
     context: int = 0  # committed tokens at this step (its proposer sets it before drafting)
+    # (expected tokens, nodes) the model-free members of a budget merge already offer this step
+    # (brief_sized_members): a head's node pays only if it raises the rate of the whole merged tree
+    given: tuple[float, int] = (0.0, 0)
 
     @property
     def now(self) -> StepCosts:
@@ -161,11 +166,14 @@ class AutoTree:
         if max_tokens is not None:
             ordered = ordered[:max(max_tokens - 1, 0)]
         draft = costs.fixed_ms + levels * costs.level(self.top_k)
+        given_tokens, given_nodes = self.given
         if ordered.numel() == 0:
-            return 1.0 / (draft + costs.verify(1)), 0, 1.0
+            return (1.0 + given_tokens) / (draft + costs.verify(1 + given_nodes)), 0, 1.0 + given_tokens
         gain = self.calibration(ordered.exp())  # [N] expected acceptance, best first
-        expected = 1.0 + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [N + 1] for 0..N nodes
-        times = draft + costs.verify_table(expected.numel()).to(gain.dtype)  # [N + 1]: 1..N + 1 tree tokens
+        # [N + 1] for 0..N nodes, over what the other members offer
+        expected = 1.0 + given_tokens + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])
+        # [N + 1]: 1 + given + 0..N tree tokens
+        times = draft + costs.verify_table(given_nodes + expected.numel())[given_nodes:].to(gain.dtype)
         rates = expected / times  # [N + 1]
         best = int(rates.argmax())
         return float(rates[best]), best, float(expected[best])
@@ -177,7 +185,7 @@ class AutoTree:
         rate, nodes, expected = self._best(scores, levels)
         bound = expected + float(self.calibration(beam_scores.exp()).sum())
         time = costs.fixed_ms + (levels + 1) * costs.level(self.top_k) + \
-            costs.verify(nodes + 1 + beam_scores.numel())
+            costs.verify(nodes + 1 + self.given[1] + beam_scores.numel())
         return bound / time > rate
 
     def tree_tokens(self, scores: Tensor, levels: int, max_tokens: int) -> int:
@@ -192,18 +200,22 @@ class AutoTree:
 
 def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: AutoTree, sized: int) -> DraftTree:
     """The budget merge (the union of every member's tree as a trie) sized by cost instead of
-    filled to `total_tokens`: every node a policy-sized member proposed is kept (bitmask `sized`:
-    its own calibrated policy already chose those), and the other members' nodes, best score
-    first, join only while they raise the expected tokens per millisecond.
+    filled to `total_tokens`: the nodes a policy-sized member (a head, bitmask `sized`) and a
+    model-free member (prompt lookup, a datastore) both proposed are kept, and every other node,
+    best expected acceptance first, joins only while it raises the expected tokens per millisecond.
 
-    Those others are model-free drafters (prompt lookup, a datastore) whose score is already an
-    acceptance estimate (prompt lookup's q^depth, a datastore's r x share: each source's own running
-    estimate, times the datastore's frequency of the
-    continuation), so node i adds exp(score_i) expected tokens for the verify cost of one more tree
-    token, read from the same measured profile at the step's context (`policy.now`). Without the cut, a lookup member
+    The model-free members' score is already an acceptance estimate (prompt lookup's q^depth, a
+    datastore's r x share: each source's own running estimate, times the datastore's frequency of
+    the continuation), so such a node adds exp(score) expected tokens. A node only the heads
+    proposed adds `policy.alone(confidence)`: the acceptance of such nodes measured in earlier
+    merges (observe_budget_merge), not the head's own calibration, which pools them with the
+    nodes lookup proposed too and so overstates them where lookup drafts well (a served format,
+    an online datastore). Each extra node costs the verify cost of one more tree token, read from
+    the measured profile at the step's context (`policy.now`). Without the cut a lookup member
     fills the tree up to the cap, and on a CPU every token past ~16 costs a tree forward more.
-    The kept set is closed under parents (a node's path score never exceeds its parent's, and
-    ties keep the earlier node), so verification is unchanged and stays lossless."""
+    A node's estimate is capped at its parent's, ties keep the earlier node, and a shared node's
+    parent is shared, so the kept set is closed under parents: verification is unchanged and
+    stays lossless."""
     union = merge_trie(trees)
     if union.size <= 1:
         return union
@@ -211,18 +223,67 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     depth = [0] * union.size
     for i in range(1, union.size):  # parents precede children
         depth[i] = depth[parents[i]] + 1
-    kept = [i for i in range(1, union.size) if drafters[i] & sized]
+    kept = [i for i in range(1, union.size) if drafters[i] & sized and drafters[i] & ~sized]
     if len(kept) + 1 >= total_tokens:
         return rerank(union, total_tokens)
-    extra = sorted((i for i in range(1, union.size) if not drafters[i] & sized), key=lambda i: (-score[i], i))
+    alone = [i for i in range(1, union.size) if not drafters[i] & ~sized]
+    calibrated = policy.alone(torch.tensor([math.exp(score[i]) for i in alone], dtype=torch.float64)).tolist()
+    estimate = [math.exp(s) for s in score]  # [size] expected acceptance of each node
+    for i, a in zip(alone, calibrated):
+        estimate[i] = a
+    is_kept = set(kept)
+    for i in range(1, union.size):  # a node never promises more than its parent (parents precede children)
+        if i not in is_kept and parents[i] > 0:
+            estimate[i] = min(estimate[i], estimate[parents[i]])
+    extra = sorted((i for i in range(1, union.size) if i not in is_kept), key=lambda i: (-estimate[i], i))
     extra = extra[:total_tokens - 1 - len(kept)]
-    levels = max((depth[i] for i in kept), default=0)
+    levels = max((depth[i] for i in range(1, union.size) if drafters[i] & sized), default=0)
     costs = policy.now  # at the step's context, which the member's propose() set
     draft = costs.fixed_ms + levels * costs.level(policy.top_k)
-    base = 1.0 + sum(math.exp(score[i]) for i in kept)
-    gain = torch.tensor([math.exp(score[i]) for i in extra], dtype=torch.float64)  # [E], best first
+    base = 1.0 + sum(estimate[i] for i in kept)
+    gain = torch.tensor([estimate[i] for i in extra], dtype=torch.float64)  # [E], best first
     expected = base + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]: 0..E extra nodes
     times = draft + costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]
     take = int((expected / times).argmax())
     keep = torch.tensor(sorted([0] + kept + extra[:take]), dtype=torch.long, device=union.parents.device)
     return keep_nodes(union, keep)
+
+
+def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]) -> None:
+    """Tell the heads' policies of a budget merge what its model-free members (prompt lookup, a
+    datastore), which draft first, already offer this step: the expected tokens and node count of
+    their best-paying share alone (their nodes best estimate first, as many as maximise expected
+    tokens per millisecond of verification). A head then drafts another level, and keeps another
+    node, only where that raises the rate of the merged tree: where lookup already drafts a served
+    format well, the head stops early, and its levels (a head forward each) are not spent on nodes
+    the merge would not keep."""
+    union = merge_trie(trees) if trees else None
+    given = (0.0, 0)
+    if union is not None and union.size > 1 and policies:
+        costs = policies[0].now
+        gain = torch.tensor(sorted((math.exp(s) for s in path_scores(union)[1:]), reverse=True),
+                            dtype=torch.float64)  # [E] best first (closed under parents: path scores)
+        expected = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]
+        times = costs.fixed_ms + costs.verify_table(expected.numel())  # [E + 1]
+        take = int((expected / times).argmax())
+        given = (float(expected[take]) - 1.0, take)
+    for policy in policies:
+        policy.given = given
+
+
+def observe_budget_merge(parts: Sequence[DraftTree], tokens: Sequence[int], policy: AutoTree, sized: int) -> None:
+    """Teach `policy.alone` what a node only the heads proposed is worth in a budget merge: over
+    the union of the members' own trees (`parts`, before the cut: a node the cut left out whose
+    token the target emitted counts as accepted, as a head's own calibration counts it), each
+    such node's confidence and whether it lies on the path of `tokens` (the accepted draft tokens
+    and the bonus)."""
+    union = merge_trie(parts)
+    if union.size <= 1:
+        return
+    on = torch.zeros(union.size, dtype=torch.bool)  # [N]
+    for state in TokenPaths(union).follow(tokens):
+        on[state] = True
+    drafters = union.drafters.tolist()
+    alone = torch.tensor([i for i in range(1, union.size) if not drafters[i] & ~sized], dtype=torch.long)
+    if alone.numel():
+        policy.alone.update(union.confidence[alone], on[alone])

@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from taps.core.config import TreeConfig
-from taps.drafter.auto_tree import merge_budget_by_cost
+from taps.drafter.auto_tree import brief_sized_members, merge_budget_by_cost, observe_budget_merge
 from taps.drafter.average import average_heads
 from taps.drafter.checkpoint import load_head
 from taps.drafter.head import EagleHead
@@ -153,10 +153,17 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
                               names=names)
     merge = MERGES[spec.merge_mode](tree)
     sized = {i: s.policy for i, s in enumerate(singles) if getattr(s, "policy", None) is not None}
-    if spec.merge_mode == "budget" and sized:  # --tree auto: lookup members' nodes join only where they pay
-        merge = partial(merge_budget_by_cost, total_tokens=tree.total_tokens, policy=next(iter(sized.values())),
-                        sized=sum(1 << i for i in sized))
-    return MergedProposer(singles, merge=merge, names=names)
+    observe, first, brief = None, (), None
+    # --tree auto with lookup members: every node joins only where it pays (heads alone keep the
+    # budget merge of their policy-sized trees)
+    if spec.merge_mode == "budget" and sized and len(sized) < len(singles):
+        priced = dict(policy=next(iter(sized.values())), sized=sum(1 << i for i in sized))
+        merge = partial(merge_budget_by_cost, total_tokens=tree.total_tokens, **priced)
+        observe = partial(observe_budget_merge, **priced)
+        # the model-free members draft first, and the heads size their trees over what they offer
+        first = tuple(i for i in range(len(singles)) if i not in sized)
+        brief = partial(brief_sized_members, policies=list(sized.values()))
+    return MergedProposer(singles, merge=merge, names=names, observe_merge=observe, first=first, brief=brief)
 
 
 class HeadPool:

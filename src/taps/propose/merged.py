@@ -54,14 +54,29 @@ def accepted_path_drafters(tree: DraftTree, tokens: list[int]) -> int:
 class MergedProposer(ProposerGroup):
     def __init__(self, proposers: Sequence[Proposer],
                  merge: Callable[[Sequence[DraftTree]], DraftTree] = merge_disjoint,
-                 names: Sequence[str] | None = None):
+                 names: Sequence[str] | None = None,
+                 observe_merge: Callable[[Sequence[DraftTree], list[int]], None] | None = None,
+                 first: Sequence[int] = (), brief: Callable[[list[DraftTree]], None] | None = None):
         super().__init__(proposers, names)
         self.merge = merge
+        # members that draft first (by index), and what the others are told of their trees before
+        # they draft (a budget merge by cost: drafter/auto_tree.py brief_sized_members)
+        self.first, self.brief = tuple(first), brief
+        # what the merge learns from each verified step: the members' own trees and the emitted
+        # tokens (a budget merge by cost: drafter/auto_tree.py observe_budget_merge)
+        self.observe_merge = observe_merge
         self.records: list[MergeRecord] = []
 
     def propose(self) -> DraftTree:
         self._check_started()
-        trees = [proposer.propose() for proposer in self.proposers]
+        trees: list[DraftTree | None] = [None] * len(self.proposers)
+        for i in self.first:
+            trees[i] = self.proposers[i].propose()
+        if self.brief is not None:
+            self.brief([trees[i] for i in self.first])
+        for i, proposer in enumerate(self.proposers):
+            if trees[i] is None:
+                trees[i] = proposer.propose()
         merged = self.merge(trees)
         self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),
                                         merged_size=merged.size))
@@ -71,6 +86,8 @@ class MergedProposer(ProposerGroup):
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         # by token path, not node id: the decoder may have trimmed the tree's depth
         self.records[-1].accepted_drafters = accepted_path_drafters(tree, acceptance.tokens[1:].tolist())
+        if self.observe_merge is not None and tree.parts:
+            self.observe_merge(tree.parts, acceptance.new_tokens)
         super().observe(tree, acceptance, features)
 
     def step_info(self) -> StepInfo:
