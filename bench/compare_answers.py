@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 
-def answers(path: str, run: str) -> dict[int, str]:
-    """Request index -> answer digest of `run` in a serve_adapt results.json (failed requests left out)."""
-    runs = load_runs(path)
+def answers(runs: dict, run: str, path: str) -> dict[int, str]:
+    """Request index -> answer digest of `run` among a results.json's `runs` (read from `path`;
+    failed requests left out)."""
     if run not in runs:
         raise ValueError(f"{path}: no run {run!r} (it has {', '.join(sorted(runs)) or 'none'})")
     return {r["i"]: r["answer_sha256"] for r in runs[run].get("requests", []) if "answer_sha256" in r}
@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference {args.reference!r}: expected RESULTS.json:RUN", file=sys.stderr)
         return 2
     try:
-        reference = answers(path, run)
-        rows = [(other, name, differing(reference, answers(other, name)))
-                for other in args.others for name in load_runs(other)]
+        reference = answers(load_runs(path), run, path)
+        rows = []
+        for other in args.others:
+            runs = load_runs(other)  # read once, every run of it checked
+            rows += [(other, name, differing(reference, answers(runs, name, other))) for name in runs]
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2

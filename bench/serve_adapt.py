@@ -61,6 +61,8 @@ import torch
 from taps.cli.args import add_tree_arguments, speculation_from, target_ref
 from taps.core.jsonl import read_json_lines, write_json_atomic
 
+RUNS = ("off", "store", "adapt", "plain")  # the module docstring says what each one is
+
 TASKS = {
     "translate": "Translate the following text into French. Reply with the translation only.\n\n{q}",
     "summarise": "Summarise the following text in one sentence.\n\n{q}",
@@ -249,7 +251,7 @@ def main() -> int:
     p.add_argument("--data-dir", default=os.environ.get("TAPS_DATA_DIR") or "../shared/data")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
-    p.add_argument("--runs", default="off,store,adapt", help="comma-separated, in order: off, store, adapt, plain")
+    p.add_argument("--runs", default="off,store,adapt", help=f"comma-separated, in order: {', '.join(RUNS)}")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the server (default 1: beside the server's own threads, torch's default of "
                         "every core oversubscribes a 2-core machine and its tokens/s stop meaning anything)")
@@ -268,9 +270,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_adapt-"))
     out.mkdir(parents=True, exist_ok=True)
-    unknown = [name for name in args.runs.split(",") if name not in ("off", "store", "adapt", "plain")]
+    unknown = [name for name in args.runs.split(",") if name not in RUNS]
     if unknown:
-        p.error(f"--runs: unknown run {unknown[0]!r} (off, store, adapt, plain)")
+        p.error(f"--runs: unknown run {unknown[0]!r} ({', '.join(RUNS)})")
     if args.gauge_every < 0 or args.gauge_tokens < 1:
         p.error("--gauge-every must be >= 0 and --gauge-tokens >= 1")
     texts = questions(args)

@@ -34,9 +34,9 @@ def test_tree_options_are_the_commands_own():
             f"{script.name} re-declares a tree the package defines (config.FIXED_TREE, config.AUTO_TREE_CAPS)"
 
 
-def _serve_adapt():
-    """bench/serve_adapt.py as a module (a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("serve_adapt", BENCH / "serve_adapt.py")
+def _bench(name: str):
+    """bench/NAME.py as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,7 +45,7 @@ def _serve_adapt():
 def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
     """A learning run alone (`--runs adapt`) is checked against the `off` answers of an earlier
     results.json, by digest; an earlier file without digests is refused, naming --compare-to."""
-    serve_adapt = _serve_adapt()
+    serve_adapt = _bench("serve_adapt")
     off = {"rows": [{"i": 0, "text": "a"}, {"i": 1, "text": "b"}]}
     here = serve_adapt.reference_answers({"off": off}, None)
     assert here == {0: serve_adapt.digest("a"), 1: serve_adapt.digest("b")}
@@ -66,7 +66,7 @@ def test_serve_adapt_checks_answers_against_an_earlier_off_run(tmp_path):
 def test_serve_adapt_summarises_each_finished_run(tmp_path):
     """What results.json keeps after every run (so a run killed later leaves the finished ones):
     lost, failed and differing requests counted against the off run, windows from the rows."""
-    serve_adapt = _serve_adapt()
+    serve_adapt = _bench("serve_adapt")
     args = argparse.Namespace(window=2, requests=4, max_tokens=8, compare_to=None)
     row = lambda i, text, tokens=4: {"i": i, "text": text, "tokens": tokens, "calls": 2, "seconds": 1.0}
     off = {"rows": [row(0, "a"), row(1, "b"), row(2, "c"), row(3, "d")], "adapt": None, "versions": []}
@@ -84,7 +84,7 @@ def test_serve_adapt_windows_carry_the_gauges_measured_inside_them():
     """Each window's gauge tokens/s come from the gauges measured within its requests (a failed
     gauge counts for nothing), and its tokens/s over the head gauge is what the goal's ratio
     divides: the machine's speed at that time taken out."""
-    serve_adapt = _serve_adapt()
+    serve_adapt = _bench("serve_adapt")
     row = lambda i: {"i": i, "text": "a", "tokens": 6, "calls": 2, "seconds": 1.0}
     gauges = [{"after": 0, "variant": "plain", "tokens": 4, "seconds": 2.0},
               {"after": 1, "variant": "head", "tokens": 8, "seconds": 2.0},
@@ -103,18 +103,11 @@ def test_serve_adapt_windows_carry_the_gauges_measured_inside_them():
     assert summary["off"]["gauge_head_tokens_per_s"] == pytest.approx(20 / 4.0)
 
 
-def _compare_answers():
-    spec = importlib.util.spec_from_file_location("compare_answers", BENCH / "compare_answers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_answers_counts_differing_answers_over_the_requests_both_runs_answered(tmp_path, capsys):
     """A plain run over the first requests is the reference; each run of another results.json is
     counted over the shared requests only (a failed request has no digest and is left out); a
     missing run or a file that is not a results.json exits 2 naming it."""
-    compare = _compare_answers()
+    compare = _bench("compare_answers")
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"runs": {"plain": {"requests": [
         {"i": 0, "answer_sha256": "a"}, {"i": 1, "answer_sha256": "b"}, {"i": 2, "error": "Timeout"}]}}}))

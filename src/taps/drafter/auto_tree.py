@@ -138,6 +138,16 @@ class Calibration:
         self.hits.index_add_(0, b, accepted.cpu().double())
 
 
+def best_prefix(base: float, gain: Tensor, times: Tensor) -> tuple[int, float, float]:
+    """The best prefix of nodes sorted best first: (its node count, its expected tokens, their rate
+    per ms), from `base` expected tokens without any, each node's `gain` [E] and the step's time
+    with 0..E of them `times` [E + 1]."""
+    expected = base + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])  # [E + 1]
+    rates = expected / times  # [E + 1]
+    best = int(rates.argmax())
+    return best, float(expected[best]), float(rates[best])
+
+
 @dataclass
 class AutoTree:
     """The per-step policy: `go_deeper` after each draft level, `tree_tokens` at the end."""
@@ -170,13 +180,10 @@ class AutoTree:
         if ordered.numel() == 0:
             return (1.0 + given_tokens) / (draft + costs.verify(1 + given_nodes)), 0, 1.0 + given_tokens
         gain = self.calibration(ordered.exp())  # [N] expected acceptance, best first
-        # [N + 1] for 0..N nodes, over what the other members offer
-        expected = 1.0 + given_tokens + torch.cat([torch.zeros(1, dtype=gain.dtype), gain.cumsum(0)])
-        # [N + 1]: 1 + given + 0..N tree tokens
-        times = draft + costs.verify_table(given_nodes + expected.numel())[given_nodes:].to(gain.dtype)
-        rates = expected / times  # [N + 1]
-        best = int(rates.argmax())
-        return float(rates[best]), best, float(expected[best])
+        # [N + 1]: 1 + given + 0..N tree tokens, over what the other members offer
+        times = draft + costs.verify_table(given_nodes + gain.numel() + 1)[given_nodes:].to(gain.dtype)
+        best, expected, rate = best_prefix(1.0 + given_tokens, gain, times)
+        return rate, best, expected
 
     def go_deeper(self, scores: Tensor, beam_scores: Tensor, levels: int) -> bool:
         """Whether one more level could beat the best tree of the `levels` drafted so far: its
@@ -240,11 +247,9 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     levels = max((depth[i] for i in range(1, union.size) if drafters[i] & sized), default=0)
     costs = policy.now  # at the step's context, which the member's propose() set
     draft = costs.fixed_ms + levels * costs.level(policy.top_k)
-    base = 1.0 + sum(estimate[i] for i in kept)
     gain = torch.tensor([estimate[i] for i in extra], dtype=torch.float64)  # [E], best first
-    expected = base + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]: 0..E extra nodes
-    times = draft + costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]
-    take = int((expected / times).argmax())
+    times = draft + costs.verify_table(len(kept) + len(extra) + 1)[len(kept):]  # [E + 1]: 0..E extra nodes
+    take, _, _ = best_prefix(1.0 + sum(estimate[i] for i in kept), gain, times)
     keep = torch.tensor(sorted([0] + kept + extra[:take]), dtype=torch.long, device=union.parents.device)
     return keep_nodes(union, keep)
 
@@ -263,10 +268,8 @@ def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]
         costs = policies[0].now
         gain = torch.tensor(sorted((math.exp(s) for s in path_scores(union)[1:]), reverse=True),
                             dtype=torch.float64)  # [E] best first (closed under parents: path scores)
-        expected = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # [E + 1]
-        times = costs.fixed_ms + costs.verify_table(expected.numel())  # [E + 1]
-        take = int((expected / times).argmax())
-        given = (float(expected[take]) - 1.0, take)
+        take, expected, _ = best_prefix(1.0, gain, costs.fixed_ms + costs.verify_table(gain.numel() + 1))
+        given = (expected - 1.0, take)
     for policy in policies:
         policy.given = given
 
