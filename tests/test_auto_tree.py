@@ -145,10 +145,24 @@ def test_eval_and_study_configs_take_auto_trees(target_dir, tmp_path, monkeypatc
         study_from_dict(config)
 
 
-def test_noisy_costs_are_made_monotone():
-    costs = StepCosts(verify_ms={1: 80.0, 8: 60.0, 16: 90.0}, level_ms={1: 5.0, 8: 4.0})
-    assert costs.verify(8) == 80.0 and costs.verify(4) == 80.0 and costs.verify(16) == 90.0
-    assert costs.level(8) == 5.0
+def test_noisy_costs_are_made_monotone_and_real_dips_kept():
+    costs = StepCosts(verify_ms={1: 80.0, 8: 78.0, 16: 90.0}, level_ms={1: 5.0, 8: 4.0})
+    assert costs.verify(8) == 80.0 and costs.verify(4) == 80.0 and costs.verify(16) == 90.0  # 2.5 %: noise
+    assert costs.level(8) == 5.0  # more beams never cost less
+    # a CPU whose matmuls favour multiples of 4 rows: 3 tree tokens cost more than 4
+    costs = StepCosts(verify_ms={1: 60.0, 2: 96.0, 3: 117.0, 4: 84.0, 5: 112.0}, level_ms={1: 5.0})
+    assert [costs.verify(n) for n in range(1, 6)] == [60.0, 96.0, 117.0, 84.0, 117.0]
+
+
+def test_trees_are_sized_to_the_row_counts_that_run_fast():
+    """The best prefix reads a real dip as what it is: more nodes for less time."""
+    measured = {1: 60.0, 2: 96.0, 3: 117.0, 4: 84.0, 5: 130.0}
+    fast4 = AutoTree(StepCosts(verify_ms=measured, level_ms={1: 1.0, 16: 1.0}), top_k=4)
+    flat4 = AutoTree(StepCosts(verify_ms={**measured, 4: 120.0}, level_ms={1: 1.0, 16: 1.0}), top_k=4)
+    scores = torch.log(torch.tensor([0.4, 0.3, 0.2]))  # ~0.42 + 0.24 + 0.24 expected tokens (the prior)
+    # three nodes in a 4-token forward pay (1.9 tokens in 85 ms against 1 in 61); at 121 ms nothing does
+    assert fast4.tree_tokens(scores, levels=1, max_tokens=64) == 4
+    assert flat4.tree_tokens(scores, levels=1, max_tokens=64) == 1
 
 
 def _chain(tokens, probs, drafter):

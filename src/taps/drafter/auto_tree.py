@@ -48,6 +48,19 @@ def _interpolate(points: dict[int, float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _denoised(points: dict[int, float], real_dip: float) -> dict[int, float]:
+    """`points` with every cost below the most a smaller size cost raised to it, unless it is at
+    least `real_dip` (a fraction) below it: 1 makes the costs monotone. The best prefix of a tree's
+    nodes (best_prefix) is the argmax of expected tokens over time, which reads a real dip as the
+    larger tree it is (more nodes for less time), while a noisy one would only move it by noise."""
+    kept, most = {}, 0.0
+    for x in sorted(points):
+        y = points[x]
+        kept[x] = y if y < most * (1.0 - real_dip) else max(y, most)
+        most = max(most, y)
+    return kept
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Milliseconds per step part, as measured on this machine."""
@@ -59,18 +72,16 @@ class StepCosts:
     verify_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
 
     CONTEXT_BUCKET = 64  # contexts are rounded to this, so nearby steps share one verify table
+    # a tree size measured at least this much below a smaller one's cost runs faster (a CPU's matmul
+    # kernels favour some row counts); a smaller dip is noise, and raised to the smaller size's cost
+    REAL_DIP = 0.05
 
     def __post_init__(self) -> None:
         if not self.verify_ms or not self.level_ms:
             raise ValueError("StepCosts needs at least one measured tree size and one beam count")
-        # more tokens never cost less: a noisy measurement that says so would make nodes look free
-        for name in ("verify_ms", "level_ms"):
-            points, running = getattr(self, name), 0.0
-            monotone = {}
-            for x in sorted(points):
-                running = max(running, points[x])
-                monotone[x] = running
-            object.__setattr__(self, name, monotone)
+        object.__setattr__(self, "verify_ms", _denoised(self.verify_ms, self.REAL_DIP))
+        # more beams never cost less: a noisy measurement that says so would make levels look free
+        object.__setattr__(self, "level_ms", _denoised(self.level_ms, 1.0))
 
     @classmethod
     def from_profile(cls, profile: dict, fixed_ms: float = 0.0) -> "StepCosts":
@@ -118,11 +129,17 @@ class Calibration:
     """a(c) = P(a drafted node is accepted | its confidence c), one running estimate per bin of
     log10 c in [-4, 0]; each bin starts at its own midpoint confidence with `prior` pseudo-nodes."""
 
-    def __init__(self, bins: int = 16, prior: float = 4.0):
+    def __init__(self, bins: int = 16, prior: float = 4.0, remembered=None):
+        """`remembered`: what a server's earlier requests taught this estimate (a
+        propose/memory.CalibrationMemory with as many bins): it starts warm from it, and every
+        update is remembered there too."""
         self.edges = torch.linspace(-4.0, 0.0, bins + 1)[1:-1]  # [bins - 1] inner edges
         mids = 10 ** torch.linspace(-4.0, 0.0, 2 * bins + 1)[1::2]  # [bins] midpoint confidences
         self.hits = (mids * prior).double()  # [bins]
         self.seen = torch.full((bins,), prior, dtype=torch.float64)  # [bins]
+        self.remembered = remembered
+        if remembered is not None:
+            self.hits, self.seen = remembered.warm(self.hits, self.seen)
 
     def _bins(self, confidence: Tensor) -> Tensor:  # [N] -> [N] long
         return torch.bucketize(confidence.double().clamp(min=1e-12).log10().float(), self.edges)
@@ -136,6 +153,8 @@ class Calibration:
         b = self._bins(confidence.cpu())
         self.seen.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
         self.hits.index_add_(0, b, accepted.cpu().double())
+        if self.remembered is not None:
+            self.remembered.add(b, accepted.cpu())
 
 
 def best_prefix(base: float, gain: Tensor, times: Tensor) -> tuple[int, float, float]:
@@ -203,6 +222,13 @@ class AutoTree:
 
     def observe(self, confidence: Tensor, accepted: Tensor) -> None:
         self.calibration.update(confidence, accepted)
+
+    def remember(self, memory) -> "AutoTree":
+        """This policy with both calibrations warm from `memory` (a propose/memory.HeadMemory:
+        what a server's earlier requests taught them), and teaching it in turn; before any step."""
+        self.calibration = Calibration(remembered=memory.calibration)
+        self.alone = Calibration(remembered=memory.alone)
+        return self
 
 
 def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: AutoTree, sized: int) -> DraftTree:

@@ -45,13 +45,17 @@ from taps.core.tree import DraftTree, additive_mask
 
 log = logging.getLogger(__name__)
 
-TREE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Every tree size up to 32 is timed, not a few with the others interpolated: a CPU's matmul kernels
+# can favour row counts, so cost is not monotone in size (float32 on an AMD EPYC without AMX, after
+# 200 tokens: 2 / 3 / 4 tree tokens 96 / 117 / 84 ms, 15 / 16 131 / 120 ms; docs/long-context.md), and
+# `--tree auto` then verifies the sizes that run fast, filled with the next-best nodes.
+TREE_SIZES = tuple(range(1, 33)) + (48, 64, 96, 128)
 BEAM_SIZES = (1, 2, 4, 6, 8, 10, 16)
 CONTEXTS = (128, 512, 1024, 2048)  # committed tokens at which verify costs are also measured
-CONTEXT_SIZES = (1, 4, 8, 16, 24, 32, 48, 64)  # tree sizes timed at each of those contexts
+CONTEXT_SIZES = tuple(range(1, 33)) + (48, 64)  # tree sizes timed at each of those contexts
 SPLIT_NODES = 16  # the tree size whose forward is split into its parts
-FORMAT_VERSION = 4  # 4: trees on short contexts take the dense mask (3 timed them on the matmul path; 2 timed
-# one-node forwards off the fused kernel)
+FORMAT_VERSION = 5  # 5: every tree size to 32 (4 timed 1, 2, 4, 8, 12, ...); 4: trees on short contexts take
+# the dense mask (3 timed them on the matmul path; 2 timed one-node forwards off the fused kernel)
 SPEED_TOLERANCE = 0.30  # a one-token forward this much off the profile's means: measure again
 
 

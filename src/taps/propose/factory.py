@@ -16,7 +16,9 @@ drafter directory once and builds a fresh proposer per conversation (composition
 state), averaging each set of heads once; it keeps each route-bandit variant's learned state
 (propose/bandit.BanditState) for the proposers of that variant, so learning outlives a
 conversation: `taps serve` (one pool per server) learns across requests, `taps eval` (one pool
-per run, per worker process) across questions.
+per run, per worker process) across questions. A server's pool also remembers its drafters'
+running estimates (propose/memory.py), so each request starts them warm; a study's questions
+start them cold.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from taps.propose.bandit import BANDIT, BanditRouter, BanditState
 from taps.core.proposer import PlainProposer, Proposer
 from taps.propose.rest import Datastore, DatastoreError, is_datastore
 from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: F401 (LookupSpec: re-exported)
+from taps.propose.memory import VariantMemory
 from taps.propose.merged import MergedProposer
 from taps.propose.routed import CONFIDENCE, ENTROPY, RoutedProposer, RoutingSignal
 from taps.propose.single import SingleProposer
@@ -100,14 +103,20 @@ AUTO_STORE_NODES = 24
 
 
 def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, drafter: int, policy=None,
-            priced: bool = False) -> Proposer:
+            priced: bool = False, memory: VariantMemory | None = None) -> Proposer:
+    """The proposer of one member, at place `drafter` of its variant; with `memory`, its running
+    estimates start from what the variant's earlier conversations taught them (propose/memory.py)."""
     if isinstance(member, LookupSpec):
         if priced:
             tree = replace(tree, depth=max(tree.depth, min(AUTO_LOOKUP_DEPTH, tree.total_tokens - 1)))
             if member.store_nodes is not None:
                 member = replace(member, store_nodes=max(member.store_nodes, AUTO_STORE_NODES))
-        return LookupProposer(tree, member, drafter=drafter)
-    return SingleProposer(member, tree, drafter=drafter, policy=policy() if policy is not None else None)
+        return LookupProposer(tree, member, drafter=drafter,
+                              memory=memory.lookup(drafter) if memory is not None else None)
+    sized = policy() if policy is not None else None
+    if sized is not None and memory is not None:
+        sized.remember(memory.head(drafter, member))
+    return SingleProposer(member, tree, drafter=drafter, policy=sized)
 
 
 def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig = TreeConfig(),
@@ -126,10 +135,12 @@ def build_proposer(strategy: str, heads: Mapping[str, "EagleHead | LookupSpec"],
 
 def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tree: TreeConfig, policy=None,
             average: Callable[[], EagleHead] | None = None, where: str | None = None,
-            learned: BanditState | None = None) -> Proposer:
+            learned: BanditState | None = None, memory: VariantMemory | None = None) -> Proposer:
     """The proposer of a checked spec over its loaded members (`heads`, in spec.drafters order);
     `average`: the averaged head, if the caller keeps one (HeadPool); `learned`: a route-bandit's
-    state, if the caller keeps one (HeadPool; default: a fresh one, learning within this proposer)."""
+    state, if the caller keeps one (HeadPool; default: a fresh one, learning within this proposer);
+    `memory`: the variant's remembered estimates, if the caller keeps them (HeadPool(remember=True);
+    default: every estimate from its cold prior)."""
     if spec.strategy == "baseline":
         return PlainProposer()
     names = list(heads)
@@ -140,11 +151,11 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
                                    f"{', '.join(lookups)} is prompt lookup or a datastore, which has none "
                                    "(route or merge it instead)")
         head = average() if average is not None else average_heads(list(heads.values()), spec.weights)
-        return _member(head, tree, 0, policy)
+        return _member(head, tree, 0, policy, memory=memory)
     if spec.strategy == "single":
-        return _member(heads[names[0]], tree, 0, policy)
+        return _member(heads[names[0]], tree, 0, policy, memory=memory)
     priced = policy is not None and spec.strategy == "merge" and spec.merge_mode == "budget"
-    singles = [_member(heads[n], tree, i, policy, priced) for i, n in enumerate(names)]
+    singles = [_member(heads[n], tree, i, policy, priced, memory) for i, n in enumerate(names)]
     if spec.strategy == "route" and spec.signal == BANDIT.name:
         return BanditRouter(singles, learned or BanditState(names, tree.depth), per_turn=spec.granularity == "turn",
                             names=names)
@@ -167,13 +178,18 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
 
 
 class HeadPool:
-    """Loads each drafter directory once (strictly, for this target) and each average once."""
+    """Loads each drafter directory once (strictly, for this target) and each average once.
+    `remember`: conversations start their running estimates (`--tree auto`'s calibrations, lookup's
+    q and r) from what the same variant's earlier conversations taught them (propose/memory.py; a
+    server's); otherwise each starts cold (a study's questions, decoded independently)."""
 
-    def __init__(self, target, attn_implementation: str = "sdpa"):
+    def __init__(self, target, attn_implementation: str = "sdpa", remember: bool = False):
         self.target, self.attn = target, attn_implementation
         self._heads: dict[str, object] = {}
         self._averages: dict[tuple, object] = {}
         self.learned: dict[tuple, BanditState] = {}  # route-bandit states, by variant (learned_key)
+        self.remember = remember
+        self.memory: dict[tuple, VariantMemory] = {}  # remembered estimates, by variant (learned_key)
 
     def head(self, path: str):
         key = str(Path(path).resolve())
@@ -192,9 +208,10 @@ class HeadPool:
     def heads(self, spec: VariantSpec) -> dict[str, "EagleHead | LookupSpec"]:
         return {name: self.head(path) for name, path in spec.drafters}
 
-    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None) -> Proposer:
+    def proposer(self, spec: VariantSpec, tree: TreeConfig, policy=None, remember: bool = True) -> Proposer:
         """A fresh proposer for one conversation; `policy`: a factory of cost-aware tree policies,
-        or None for fixed trees."""
+        or None for fixed trees; `remember`: false for a conversation that neither starts from
+        the pool's remembered estimates nor adds to them (a request that opted out of learning)."""
         heads = self.heads(spec)
         key = (tuple(str(Path(d).resolve()) for _, d in spec.drafters), spec.weights)
 
@@ -203,7 +220,10 @@ class HeadPool:
                 self._averages[key] = average_heads(list(heads.values()), spec.weights)
             return self._averages[key]
 
-        return compose(spec, heads, tree, policy, average=average, learned=self.bandit(spec, tree))
+        memory = None
+        if self.remember and remember:
+            memory = self.memory.setdefault(self.learned_key(spec), VariantMemory())
+        return compose(spec, heads, tree, policy, average=average, learned=self.bandit(spec, tree), memory=memory)
 
     @staticmethod
     def learned_key(spec: VariantSpec) -> tuple:
@@ -219,8 +239,11 @@ class HeadPool:
         return self.learned[key]
 
     def forget(self, spec: VariantSpec | None = None) -> None:
-        """Drop what a route-bandit variant learned (every variant's: None)."""
+        """Drop what a variant learned: its route-bandit state and remembered estimates (every
+        variant's: None)."""
         if spec is None:
             self.learned.clear()
+            self.memory.clear()
         else:
             self.learned.pop(self.learned_key(spec), None)
+            self.memory.pop(self.learned_key(spec), None)

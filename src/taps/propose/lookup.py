@@ -73,7 +73,9 @@ class LookupSpec:
 
 class LookupProposer:
     def __init__(self, tree: TreeConfig = TreeConfig(), spec: LookupSpec = LookupSpec(), drafter: int = 0,
-                 max_matches: int = 512):
+                 max_matches: int = 512, memory=None):
+        """`memory`: what a server's earlier requests taught q and r (a propose/memory.LookupMemory):
+        both start warm from it, and every judged node is remembered there too."""
         for lo, hi in ((spec.min_ngram, spec.max_ngram), (spec.store_min_ngram, spec.store_max_ngram)):
             if not 1 <= lo <= hi:
                 raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
@@ -87,6 +89,10 @@ class LookupProposer:
         self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the whole budget)
         self.accepted, self.tried = 1.0, 2.0  # prompt lookup's Beta(1, 1): q starts at 0.5
         self.store_accepted, self.store_promised = 1.0, 2.0  # the datastore's calibration: r starts at 0.5
+        self.memory = memory
+        if memory is not None:
+            self.accepted, self.tried = memory.prompt.warm(self.accepted, self.tried)
+            self.store_accepted, self.store_promised = memory.store.warm(self.store_accepted, self.store_promised)
         self._proposed: dict[tuple[int, ...], float | None] = {}  # last tree: token path -> share (None: prompt lookup)
         self._seq: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
@@ -219,8 +225,11 @@ class LookupProposer:
             stem = tuple(emitted[:i])
             offered = [token for token in paths.options(states[i]) if source(stem + (token,), None) is None]
             if offered:
+                hit = emitted[i] in offered
                 self.tried += 1
-                self.accepted += emitted[i] in offered
+                self.accepted += hit
+                if self.memory is not None:
+                    self.memory.prompt.add(hit, 1)
         if self.datastore is None:
             return
         node_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -233,8 +242,11 @@ class LookupProposer:
             share = source(p)
             if share is None or (len(p) > len(known) and p[:len(known)] == known):
                 continue  # prompt lookup's, or past what the target emitted along its own path: not yet judged
+            hit = p in accepted_prefixes
             self.store_promised += share
-            self.store_accepted += p in accepted_prefixes
+            self.store_accepted += hit
+            if self.memory is not None:
+                self.memory.store.add(hit, share)
 
     def step_info(self) -> StepInfo:
         return StepInfo()

@@ -94,7 +94,7 @@ class Job:
             outcome = self.server.engine.decode(prompt, self.variant, sampling,
                                                 on_tokens=lambda tokens: self._call(self.queue.put_nowait,
                                                                                     ("tokens", tokens)),
-                                                cancelled=self.cancel.is_set)
+                                                cancelled=self.cancel.is_set, remember=self.request.learn)
             if outcome.finish == "cancelled" and self.text.stopped:
                 outcome.finish = "stop_string"
             label = "cut" if outcome.finish == "cancelled" and self.cut else FINISH_LABEL[outcome.finish]

@@ -22,6 +22,10 @@ scores: every step, or a turn's first) come back in Outcome.decisions and are lo
 line per decision, on the logger `taps.serve.routing` (`taps serve --log-level info` prints them). A `route-bandit` variant
 learns across requests: the HeadPool keeps its state (propose/bandit.BanditState) per variant,
 every request's proposer reads and updates it, and `learned()` reports it for /metrics.
+
+Remembered estimates. Every variant's drafters start a request from the running estimates earlier
+requests taught them (`--tree auto`'s calibrations, lookup's acceptance rates: propose/memory.py),
+warm, not frozen; a request with `learn = false` starts cold and teaches them nothing.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class Engine:
         if clash:
             raise ValueError(f"--drafter name {clash[0]!r} is reserved for plain decoding; name the head otherwise")
         self.drafters = dict(drafters)
-        self.pool = HeadPool(target, attn_implementation)
+        self.pool = HeadPool(target, attn_implementation, remember=True)
         for name, path in drafters:  # load every head now: a bad directory fails at startup, not per request
             self.pool.head(path)
         self.stop = target.stop_token_ids()
@@ -220,9 +224,11 @@ class Engine:
     # ---- decoding ----------------------------------------------------------------------------
     def decode(self, prompt: list[int], variant: Variant, sampling: Sampling,
                on_tokens: Callable[[list[int]], None] = lambda tokens: None,
-               cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+               cancelled: Callable[[], bool] = lambda: False, remember: bool = True) -> Outcome:
         """Decode one continuation (blocking); `on_tokens` gets each step's tokens as soon as they are
-        accepted, and `cancelled` is polled after each (a true answer ends the decode there)."""
+        accepted, and `cancelled` is polled after each (a true answer ends the decode there);
+        `remember`: the drafters' running estimates start from, and add to, what earlier requests
+        to the variant taught them (false: from their cold priors, nothing kept)."""
         cfg = DecodeConfig(max_new_tokens=sampling.max_tokens, stop_token_ids=self.stop, seed=sampling.seed,
                            sampling=SamplingConfig(sampling.temperature, sampling.top_p))
 
@@ -231,8 +237,8 @@ class Engine:
             return cancelled()
 
         start = time.perf_counter()
-        result = generate(self.target, self.pool.proposer(variant.spec, self.tree, self.policy), prompt, cfg,
-                          on_step=on_step)
+        proposer = self.pool.proposer(variant.spec, self.tree, self.policy, remember=remember)
+        result = generate(self.target, proposer, prompt, cfg, on_step=on_step)
         steps, names = result.steps, variant.members
         outcome = Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
                           [s.accepted for s in steps], [_step_head(s, names) for s in steps],
