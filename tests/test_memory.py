@@ -34,7 +34,7 @@ def test_a_rate_starts_warm_up_to_its_weight_and_remembers_a_bounded_past():
 
 
 def test_a_calibration_starts_from_what_earlier_ones_taught_and_teaches_it_in_turn():
-    memory = CalibrationMemory(memory=500.0)
+    memory = CalibrationMemory(memory=400.0)
     c = torch.full((300,), 0.5)
     first = Calibration(remembered=memory)
     assert float(first(c[:1])) == pytest.approx(float(Calibration()(c[:1])))  # nothing remembered yet
@@ -47,8 +47,9 @@ def test_a_calibration_starts_from_what_earlier_ones_taught_and_teaches_it_in_tu
     assert float(second(torch.tensor([0.001]))) == pytest.approx(float(Calibration()(torch.tensor([0.001]))))
     second.update(c[:200], torch.ones(200, dtype=torch.bool))  # this request's own nodes all pass
     assert float(second(c[:1])) > 0.9  # warm, not frozen: its own evidence wins within the request
-    assert float(memory.seen.sum()) == pytest.approx(500.0)  # 500 nodes remembered, the oldest faded
-    assert float(memory.hits.sum()) == pytest.approx(200 * 500 / 500)
+    # 500 nodes seen, 400 remembered: every count scaled by 0.8, the rate kept (200 of 500 passed)
+    assert float(memory.seen.sum()) == pytest.approx(400.0)
+    assert float(memory.hits.sum()) == pytest.approx(200 * 0.8)
 
 
 def test_a_lookup_proposer_starts_its_rates_from_earlier_requests():
