@@ -186,13 +186,13 @@ def test_draft_vocab_logits_are_the_lm_head_rows(target):
     assert torch.equal(head.to_target_ids(torch.tensor([[0, 6], [2, 1]])), torch.tensor([[0, 383], [4, 3]]))
     assert head.draft_vocab_size == len(DRAFT_IDS)
     # the rows are sliced once (outside inference mode: a training step may use them), again after a bind
-    rows = head._draft_rows[1]
+    rows = head._draft_rows[1].weight
     assert not rows.is_inference() and not rows.requires_grad
     head.logits(hidden)
-    assert head._draft_rows[1] is rows
+    assert head._draft_rows[1].weight is rows
     head.bind(target.embed_tokens, target.lm_head)
     head.logits(hidden)
-    assert head._draft_rows[1] is not rows
+    assert head._draft_rows[1].weight is not rows
     # the mapping is not a parameter and not in state_dict (the checkpoint writes d2t / t2d instead)
     assert set(head.state_dict()) == EXPECTED_KEYS and "draft_ids" not in dict(head.named_parameters())
     for bad, message in [(torch.tensor([4, 3]), "sorted ascending"), (torch.tensor([3, 3]), "distinct"),

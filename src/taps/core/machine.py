@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from taps.core import attention
+from taps.core import attention, packed
 from taps.core.jsonl import read_json, write_json_atomic
 from taps.core.stopwatch import now
 from taps.core.targets import cache_root
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 STEP_CONTEXT = 512  # committed tokens before the timed step
 STEP_NODES = 16  # the timed tree: a chain of this many nodes
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: linear weights packed (taps.core.packed), as the Target runs them
 PIN_VARIABLE = "TAPS_CPU_DTYPE"
 
 
@@ -59,6 +59,7 @@ def tree_step_ms(model, context: int = STEP_CONTEXT, nodes: int = STEP_NODES, re
     vocab = int(model.get_input_embeddings().weight.shape[0])
     device = model.get_input_embeddings().weight.device
     attention.enable(model)
+    packed.pack_linears(model)  # as the Target runs it (a cast model repacks at its first forward)
     cache = DynamicCache()
     context = min(context, int(model.config.get_text_config().max_position_embeddings) - nodes)
     model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from taps.core import attention, kv, machine
+from taps.core import attention, kv, machine, packed
 from taps.core.config import DEVICE_PATTERN
 from taps.core.identity import tensors_identity, weights_identity
 from taps.core.targets import resolve_target, target_name
@@ -96,6 +96,8 @@ class Target:
         self.feature_layers: tuple[int, ...] = (LAST_LAYER,)
         # tree forwards through taps.core.attention (False: the dense-mask path, logged once)
         self.tree_attention = attention.enable(self.model)
+        # on a CPU, linear weights packed once for oneDNN (taps.core.packed): same outputs, faster steps
+        self.packed_linears = packed.pack_linears(self.model)
         self.name = str(getattr(self.config, "_name_or_path", "") or "target")  # Target.load sets a short name
         self.source_dir: Path | None = None  # the model directory Target.load read (a GGUF's cached conversion)
         self._weights: str | None = None

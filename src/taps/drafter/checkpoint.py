@@ -38,6 +38,7 @@ from taps.drafter.head3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from taps.drafter.head3 import AUX_LAYERS_KEY, Eagle3Head, check_aux_layers, eagle3_config_for
 from taps.drafter.layouts import (CheckpointError, family_of_checkpoint, foreign_eagle_to_taps, read_token_map,
                                   taps_layer_numbering)
+from taps.core import packed
 from taps.core.identity import file_sha256
 from taps.core.jsonl import read_json
 from taps.core.outputs import check_output_dir
@@ -301,6 +302,7 @@ def load_head(path: str | Path, target, attn_implementation: str = "sdpa") -> Dr
                 f"{weights}: key {key} has shape {tuple(tensors[key].shape)}, expected {tuple(value.shape)} for this target")
     head.load_state_dict(tensors, strict=True)
     head = head.to(device=target.device, dtype=target.dtype).eval().set_draft_vocab(draft_ids)
+    packed.pack_linears(head)  # on a CPU: drafting multiplies by packed weights (taps.core.packed)
     return head.attach(target)
 
 

@@ -16,10 +16,11 @@ per call, and kept out of state_dict: the checkpoint stores the mapping as d2t /
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from taps.core import packed
 
 # The head only ever receives explicit additive masks; flash kernels would ignore them.
 HEAD_ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
@@ -67,7 +68,7 @@ class DraftHead(nn.Module):
         self._shared: tuple[nn.Module, nn.Module] | None = None
         # [N] long target id of each draft index, or None (the full vocabulary); not in state_dict
         self.register_buffer("draft_ids", None, persistent=False)
-        self._draft_rows: tuple[tuple, Tensor, Tensor | None] | None = None  # (key, weight [N, H], bias [N])
+        self._draft_rows: tuple[tuple, nn.Linear] | None = None  # (key, the rows [N, H] as a linear layer)
         self._columns: slice | Tensor | None = None  # this head's columns of the target's features ([k * H] long)
 
     # ---- the target --------------------------------------------------------------------------
@@ -154,14 +155,14 @@ class DraftHead(nn.Module):
         _, lm_head = self.shared
         if self.draft_ids is None:
             return lm_head(hidden)
-        weight, bias = self._draft_lm_head(lm_head)
-        return F.linear(hidden, weight, bias)  # [..., N]
+        return self._draft_lm_head(lm_head)(hidden)  # [..., N]
 
-    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
-        """The LM head's rows of the draft vocabulary ([N, H], bias [N] or None), sliced on first
-        use after a bind and again only if the LM head's weight changed device, dtype or storage.
-        Sliced outside inference mode (a tensor made inside it could not be saved for backward in
-        a later training step) and without grad: the LM head is the target's, frozen."""
+    def _draft_lm_head(self, lm_head: nn.Module) -> nn.Linear:
+        """The LM head's rows of the draft vocabulary as a linear layer ([N, H], bias [N] or None;
+        packed on a CPU: taps.core.packed), sliced on first use after a bind and again only if the
+        LM head's weight changed device, dtype or storage. Sliced outside inference mode (a tensor
+        made inside it could not be saved for backward in a later training step) and without grad:
+        the LM head is the target's, frozen."""
         weight = lm_head.weight
         key = (weight.device, weight.dtype, weight.data_ptr(), self.draft_ids.device, self.draft_ids.data_ptr())
         if self._draft_rows is None or self._draft_rows[0] != key:
@@ -170,8 +171,9 @@ class DraftHead(nn.Module):
                 ids = self.draft_ids.to(weight.device)
                 rows = weight.index_select(0, ids)  # [N, H]
                 rows_bias = bias.index_select(0, ids) if bias is not None else None  # [N]
-            self._draft_rows = (key, rows, rows_bias)
-        return self._draft_rows[1], self._draft_rows[2]
+                layer = packed.linear_of(rows, rows_bias)
+            self._draft_rows = (key, layer)
+        return self._draft_rows[1]
 
 
 class EagleHead(DraftHead):

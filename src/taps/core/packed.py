@@ -1,0 +1,121 @@
+"""Linear layers whose weights are packed once for the CPU's matmul library (oneDNN), so no
+forward repacks them.
+
+Why: on a CPU, `F.linear` hands oneDNN a plain [out, in] weight, and oneDNN reorders it into its
+blocked layout on every call. For a decoding step's few rows that reorder is most of a layer's
+cost. Packed once, SmolLM2's forwards on a 2-core AMD EPYC (bf16, one thread, after 128 tokens)
+took 38.5 / 54.3 ms for 1 / 16 tokens against 56.4 / 79.3 ms, with bit-identical logits; float32
+55.9 / 89.8 against 63.5 / 134.4 (docs/long-context.md, session 35). This is what PyTorch's own
+compiler does for frozen CPU models (weight prepacking); done here per module, the model stays
+the library's and eager.
+
+`pack_linears(model)` turns each `nn.Linear` of a CPU model into a `PackedLinear` in place (the
+same object, parameters and ties kept: its dense `weight` stays what every reader reads). The packed
+copy serves inference forwards (no gradient wanted) on the CPU in the weight's dtype; anything else
+(training through a frozen LM head, another device) runs `F.linear` as before. Its products equal
+F.linear's in bf16 on SmolLM2 and differ by rounding in float32 (logits within 6e-5): plain and
+speculative decoding both multiply by it, so greedy identity does not depend on it. A weight changed in place, moved or cast is repacked at its next use (the
+check is its storage, dtype and version counter), so a packed copy does not go stale. The one
+case it cannot see: a weight made in inference mode has no version counter, so an in-place change
+to it (possible only inside inference mode) is not noticed; nothing in TAPS changes weights there.
+
+The packed copy costs the weights' memory once more: packing is skipped, with one log line, when
+that would take more than half of the memory the system has free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """Whether this PyTorch build has oneDNN's packed linear (every x86 and Arm CPU build does)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def _free_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` that multiplies by a oneDNN-packed copy of its weight when it can (module
+    docstring). Never constructed directly: `pack_linears` converts existing modules."""
+
+    _packed: Tensor | None
+    _packed_key: tuple | None
+
+    def _packable(self, x: Tensor) -> bool:
+        weight = self.weight
+        return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
+                and weight.dtype in PACKED_DTYPES and x.numel() > 0
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+    def packed_weight(self) -> Tensor:  # opaque oneDNN tensor, [out, in] logically
+        weight = self.weight
+        key = (weight.data_ptr(), weight.dtype, None if weight.is_inference() else weight._version)
+        if self._packed is None or self._packed_key != key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed_key = key
+        return self._packed
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) repacks at its first use: the opaque
+        state = super().__getstate__()  # oneDNN tensor has no storage to copy
+        return {**state, "_packed": None, "_packed_key": None}
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        if not self._packable(x):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight(), bias, "none", [], "")  # [M, out]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def linear_of(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:  # weight [out, in], bias [out]
+    """A linear layer over existing tensors (no copy of them), packed where `pack_linears` would:
+    for a slice of an LM head that a drafter multiplies by at every draft level."""
+    layer = nn.Linear(1, 1, bias=False, device="meta")  # no memory; its tensors are replaced
+    layer.in_features, layer.out_features = int(weight.shape[1]), int(weight.shape[0])
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    pack_linears(layer)
+    return layer
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Convert every `nn.Linear` of `model` whose weight is on the CPU in float32 or bf16 into a
+    `PackedLinear` (in place); returns how many. 0, with one log line, where this PyTorch has no
+    packed linear or the copies would not fit in memory."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear
+               and m.weight.device.type == "cpu" and m.weight.dtype in PACKED_DTYPES]
+    if not linears:
+        return 0
+    if not available():
+        log.info("packed linear weights: this PyTorch has no oneDNN packed linear; using F.linear")
+        return 0
+    need = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in linears}.values())
+    free = _free_bytes()
+    if free is not None and need > free // 2:
+        log.warning(f"packed linear weights: skipped (they would take {need / 2**20:.0f} MiB more, "
+                    f"{free / 2**20:.0f} MiB is free); decoding runs unpacked, slower on a CPU")
+        return 0
+    for module in linears:
+        module.__class__ = PackedLinear
+        module._packed, module._packed_key = None, None
+        module.packed_weight()  # now, not in the first decoding step
+    return len(linears)
