@@ -14,8 +14,9 @@ same object, parameters and ties kept: its dense `weight` stays what every reade
 copy serves inference forwards (no gradient wanted) on the CPU in the weight's dtype; anything else
 (training through a frozen LM head, another device) runs `F.linear` as before. Its products equal
 F.linear's in bf16 on SmolLM2 and differ by rounding in float32 (logits within 6e-5): plain and
-speculative decoding both multiply by it, so greedy identity does not depend on it. A weight changed in place, moved or cast is repacked at its next use (the
-check is its storage, dtype and version counter), so a packed copy does not go stale. The one
+speculative decoding both multiply by it, so greedy identity does not depend on it. A weight
+changed in place, moved or cast is repacked at its next use (the check is its storage, dtype and
+version counter), so a packed copy does not go stale. The one
 case it cannot see: a weight made in inference mode has no version counter, so an in-place change
 to it (possible only inside inference mode) is not noticed; nothing in TAPS changes weights there.
 
@@ -58,16 +59,10 @@ class PackedLinear(nn.Linear):
     _packed: Tensor | None
     _packed_key: tuple | None
 
-    def _packable(self, x: Tensor) -> bool:
-        weight = self.weight
-        return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-                and weight.dtype in PACKED_DTYPES and x.numel() > 0
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-
     def packed_weight(self) -> Tensor:  # opaque oneDNN tensor, [out, in] logically
         weight = self.weight
         key = (weight.data_ptr(), weight.dtype, None if weight.is_inference() else weight._version)
-        if self._packed is None or self._packed_key != key:
+        if self._packed_key != key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._packed_key = key
@@ -78,12 +73,17 @@ class PackedLinear(nn.Linear):
         return {**state, "_packed": None, "_packed_key": None}
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if not self._packable(x):
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        # on every call of every layer, so the cheapest checks that keep it exact: an inference
+        # forward (no gradient wanted) on the CPU in a packed dtype that is the weight's
+        weight = self.weight
+        if (x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES or x.device.type != "cpu"
+                or weight.device.type != "cpu" or not x.numel()
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return F.linear(x, weight, self.bias)
+        rows = x.reshape(-1, self.in_features)  # [M, in]
         bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight(), bias, "none", [], "")  # [M, out]
-        return out.view(*x.shape[:-1], self.out_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight(), bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)  # [..., out]
 
 
 def linear_of(weight: Tensor, bias: Tensor | None = None) -> nn.Linear:  # weight [out, in], bias [out]

@@ -54,8 +54,10 @@ BEAM_SIZES = (1, 2, 4, 6, 8, 10, 16)
 CONTEXTS = (128, 512, 1024, 2048)  # committed tokens at which verify costs are also measured
 CONTEXT_SIZES = tuple(range(1, 33)) + (48, 64)  # tree sizes timed at each of those contexts
 SPLIT_NODES = 16  # the tree size whose forward is split into its parts
-FORMAT_VERSION = 6  # 6: linear weights packed (taps.core.packed); 5: every tree size to 32 (4 timed 1, 2, 4, 8, 12, ...); 4: trees on short contexts take
-# the dense mask (3 timed them on the matmul path; 2 timed one-node forwards off the fused kernel)
+# 6: linear weights packed (taps.core.packed); 5: every tree size to 32 (4 timed 1, 2, 4, 8, 12, ...); 4: trees
+# on short contexts take the dense mask (3 timed them on the matmul path; 2 timed one-node forwards off the
+# fused kernel)
+FORMAT_VERSION = 6
 SPEED_TOLERANCE = 0.30  # a one-token forward this much off the profile's means: measure again
 
 
