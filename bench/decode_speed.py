@@ -8,7 +8,8 @@ alike; the first prompt of each is a warm-up and is not counted):
   hf-generate        transformers' greedy / sampling `generate` (the plain peer)
   plain              our plain decoding (root-only trees, same Target code path)
   hf-prompt-lookup   transformers' prompt lookup decoding (prompt_lookup_num_tokens=10)
-  lookup             our prompt-lookup drafter (propose/lookup.py)
+  lookup             our prompt-lookup drafter (propose/lookup.py), a fixed 32-node tree
+  lookup auto        the same drafter, each tree cut to the nodes that pay at this context (--tree auto)
   HEAD 60/5/10       the best single head with the paper's tree
   HEAD 16/5/4        the same head with a small fixed tree
   HEAD auto          the same head with cost-aware trees (--tree auto)
@@ -17,6 +18,7 @@ alike; the first prompt of each is a warm-up and is not counted):
   HEAD+lookup auto   the budget merge of the head and the lookup drafter
 and, with --datastore DIR (a `taps lookup build` datastore of the target's own answers):
   lookup+datastore            the lookup drafter, a datastore filling the rest of its tree (REST)
+  lookup+datastore auto       the same, each tree cut by cost
   HEAD+lookup+datastore auto  the budget merge of the head and that lookup drafter
 and, with --head3 NAME (an EAGLE-3 head, docs/eagle3.md), NAME auto, NAME+lookup auto and, with a
 datastore, NAME+lookup+datastore auto, as for HEAD.
@@ -209,6 +211,7 @@ def main() -> None:
         "plain": lambda: None,
         "hf-prompt-lookup": "hf-lookup",
         "lookup": lambda: build_proposer("single", {"lookup": LookupSpec()}, LOOKUP_TREE),
+        "lookup auto": lambda: build_proposer("single", {"lookup": LookupSpec()}, AUTO_CAPS, policy=policy),
         f"{args.head} 60/5/10": lambda: build_proposer("single", {"h": head}, PAPER),
         f"{args.head} 16/5/4": lambda: build_proposer("single", {"h": head}, SMALL),
         f"{args.head} auto": lambda: build_proposer("single", {"h": head}, AUTO_CAPS, policy=policy),
@@ -224,6 +227,8 @@ def main() -> None:
         store = load_datastore(args.datastore, target)
         with_store = LookupSpec(datastore=store, store_nodes=args.datastore_nodes)
         decoders["lookup+datastore"] = lambda: build_proposer("single", {"lookup": with_store}, LOOKUP_TREE)
+        decoders["lookup+datastore auto"] = lambda: build_proposer("single", {"lookup": with_store}, AUTO_CAPS,
+                                                                   policy=policy)
         for name in [args.head] + ([args.head3] if args.head3 else []):
             decoders[f"{name}+lookup+datastore auto"] = with_lookup(heads[name], with_store)
     if args.only:

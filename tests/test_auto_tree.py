@@ -347,3 +347,46 @@ def test_the_proposer_tells_its_policy_the_context():
              DecodeConfig(max_new_tokens=12))
     assert seen and all(context == length for context, length in seen)
     assert seen[0][0] == len(prompt) and seen[-1][0] > seen[0][0]  # the prompt is committed, then the answer grows
+
+
+# ---- a lookup drafter verified alone: its tree cut by cost ------------------------------------------
+def test_a_lookup_tree_verified_alone_keeps_the_nodes_that_pay():
+    from taps.drafter.auto_tree import size_by_cost
+
+    chain = _chain([5, 8, 9, 10], [0.8, 0.5, 0.3, 0.001], drafter=0)  # exp(score): the nodes' acceptance
+    assert size_by_cost(chain, AutoTree(FLAT, top_k=4)).size == 5  # free nodes: all of them
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})  # +1 ms per tree token
+    policy = AutoTree(linear, top_k=4)
+    # expected tokens / ms: 1/10, 1.8/11, 2.3/12, 2.6/13 (best), 2.601/14
+    assert size_by_cost(chain, policy).tokens.tolist() == [0, 5, 8, 9]
+    assert policy.chosen[-1] == (0, 4)
+    assert size_by_cost(chain, AutoTree(STEEP, top_k=4)).size == 1  # every node costs a forward: plain step
+    assert size_by_cost(_chain([], [], drafter=0), policy).size == 1 and policy.chosen[-1] == (0, 1)
+
+
+def test_lookup_alone_under_auto_trees_drafts_deep_cuts_by_cost_and_stays_lossless():
+    """A single lookup drafter with a policy: chains up to AUTO_LOOKUP_DEPTH levels, each tree cut
+    by the costs at the step's context, greedy output token for token the library's."""
+    from taps.propose.factory import AUTO_LOOKUP_DEPTH, LookupSpec
+    from taps.propose.lookup import LookupProposer
+
+    model, target, _ = setup_llama()
+    caps = TreeConfig(32, 4, 4)
+    prompt = prompts(1, seed=3)[0][:12] * 4  # a 12-token span repeated: prompt lookup can copy it whole
+    reference = hf_greedy(model, prompt, 40)
+    linear = StepCosts(verify_ms={1: 10.0, 128: 137.0}, level_ms={1: 1.0, 16: 1.0})
+    sizes = []
+    for costs in (FLAT, linear, STEEP):
+        proposer = build_proposer("single", {"lookup": LookupSpec()}, caps, policy=lambda c=costs: AutoTree(c, top_k=4))
+        assert isinstance(proposer, LookupProposer) and proposer.tree.depth == min(AUTO_LOOKUP_DEPTH, 31)
+        result = generate(target, proposer, prompt, DecodeConfig(max_new_tokens=40))
+        assert result.tokens == reference
+        assert proposer.policy.context > len(prompt)  # told the step's context
+        sizes.append(max(s.tree_size for s in result.steps))
+        # the size it chose, reported (the decoder trims a tree's depth near the answer's end)
+        assert all(s.tree_size <= s.info.tree_tokens for s in result.steps)
+        assert result.steps[0].tree_size == result.steps[0].info.tree_tokens
+    flat, linear_, steep = sizes
+    assert steep == 1 < linear_ <= flat  # dearer verification, smaller trees
+    fixed = build_proposer("single", {"lookup": LookupSpec()}, caps)  # no policy: the caps, filled
+    assert fixed.policy is None and fixed.tree.depth == caps.depth

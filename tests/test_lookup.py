@@ -89,6 +89,40 @@ def test_acceptance_rate_is_learned_from_what_the_target_emitted():
     assert tree.size == 6
 
 
+def test_acceptance_is_learned_per_match_length_and_depth_and_prices_each_node():
+    """A copy, once begun, goes on: each (match n, depth band) cell learns its own rate, leaning
+    to the pooled q until it has trials of its own, and a node's score sums its path's cells."""
+    from taps.propose.lookup import CELL_PRIOR, depth_band
+
+    seq = [4, 1, 2, 3, 9, 5, 6, 4]
+    proposer = started(seq, tree=TreeConfig(total_tokens=16, depth=7, top_k=4))
+    assert proposer.matches() == [(1, [1, 2, 3, 9, 5, 6, 4])]
+    tree = proposer.propose()
+    # the target takes 1, 2, 3, 9, 5 and then 7: depths 1-5 accepted, depth 6 rejected
+    acceptance = Acceptance(nodes=torch.arange(6), tokens=torch.tensor([4, 1, 2, 3, 9, 5]), bonus=7)
+    proposer.observe(tree, acceptance, torch.zeros(6, 4))
+    assert proposer.accepted == 1 + 5 and proposer.tried == 2 + 6
+    assert proposer.cells[(1, 1)] == [1, 1] and proposer.cells[(1, 4)] == [2, 3]  # depths 4, 5, 6: band 4
+    q = proposer.q
+    assert proposer.q_at(1, 1) == pytest.approx((1 + CELL_PRIOR * q) / (1 + CELL_PRIOR))
+    assert proposer.q_at(1, 5) == pytest.approx((2 + CELL_PRIOR * q) / (3 + CELL_PRIOR))
+    assert proposer.q_at(3, 1) == pytest.approx(q)  # a cell without trials reads as the pooled q
+    assert [depth_band(d) for d in (1, 2, 3, 4, 7, 8, 40)] == [1, 2, 3, 4, 4, 8, 8]
+    # "4 1" again: both earlier "4 1"s match with n = 2, the most recent first (its chain goes on
+    # 2 3 9 5 7 4 1), the older one shares 2 3 9 5 and then goes 6 4 1, a rank lower
+    proposer._append([4, 1])
+    assert [n for n, _ in proposer.matches()] == [2, 2]
+    tree = proposer.propose()
+    assert tree.tokens[1:8].tolist() == [2, 3, 9, 5, 7, 4, 1] and tree.parents[1:8].tolist() == list(range(7))
+    expected, score = [], 0.0
+    for j in range(1, 8):
+        score += math.log(proposer.q_at(2, j))
+        expected.append(score)
+    first = tree.logp[1:8].tolist()
+    assert first == pytest.approx(expected)  # rank 0's nodes: the sum of their path's cells
+    assert tree.logp[8].item() == pytest.approx(expected[4] - math.log(2))  # rank 1's first own node: 6
+
+
 ARCH_TREE = TreeConfig(total_tokens=24, depth=5, top_k=4)
 
 
@@ -127,16 +161,31 @@ def test_lookup_cannot_be_averaged():
         build_proposer("average", heads={"head": head, "lookup": LookupSpec()})
 
 
-def test_sampling_with_lookup_keeps_the_target_distribution():
+@pytest.mark.parametrize("sized", [False, True])
+def test_sampling_with_lookup_keeps_the_target_distribution(sized):
     """The second new token over many seeds, with lookup drafting from a prompt that repeats,
-    against the exact marginal of the target (test_decode's shared check)."""
+    against the exact marginal of the target (test_decode's shared check); `sized`: each tree
+    cut by cost (`--tree auto`, drafter/auto_tree.size_by_cost)."""
     from test_decode import check_second_token_distribution
+    from taps.drafter.auto_tree import AutoTree, StepCosts
 
     model = tiny_model("llama", seed=7, vocab_size=8, hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate=64)
     prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # every token after "2" has been seen: drafts exist
     n = 1500
-    accepted = check_second_token_distribution(model, lambda target: LookupProposer(TreeConfig(8, 3, 4)), prompt, n)
+    # the drafter learns across seeds that a random model rarely copies (q falls): at 1/1280 ms per
+    # tree token its likeliest nodes still pay and its unlikeliest (deep, low-ranked) are cut
+    gentle = StepCosts(verify_ms={1: 10.0, 129: 10.1}, level_ms={1: 1.0})
+
+    def proposer(target):
+        return LookupProposer(TreeConfig(8, 3, 4), policy=AutoTree(gentle, top_k=4) if sized else None)
+
+    made = []
+    accepted = check_second_token_distribution(model, lambda target: made.append(proposer(target)) or made[0],
+                                               prompt, n)
     assert accepted > n // 100  # lookup drafts were accepted (and rejected): both paths exercised
+    if sized:  # trees of every size between a plain step and the whole budget were verified
+        chosen = {tokens for _, tokens in made[0].policy.chosen}
+        assert 1 < len(chosen) and min(chosen) < 8 and max(chosen) > 2
 
 def test_cli_and_study_name_lookup_as_a_member(tmp_path, target_dir, capsys):
     import json

@@ -68,8 +68,11 @@ def test_a_lookup_proposer_starts_its_rates_from_earlier_requests():
     first.observe(tree, Acceptance(nodes=torch.tensor([0]), tokens=torch.tensor([4]), bonus=7), torch.zeros(1, 4))
     assert (memory.prompt.hits, memory.prompt.trials) == (0, 1)
     assert (memory.store.hits, memory.store.trials) == pytest.approx((0, 1))
+    assert (memory.cells[(2, 1)].hits, memory.cells[(2, 1)].trials) == (0, 1)  # "3 4" matched: n = 2, depth 1
     second = started()  # Beta(1, 1) plus the remembered miss
     assert second.q == pytest.approx(1 / 3) and second.r == pytest.approx(1 / 3)
+    # the cell starts from the remembered miss too: 0 / 1 beside CELL_PRIOR trials at q
+    assert second.q_at(2, 1) == pytest.approx((0 + 2 * (1 / 3)) / (1 + 2))
     assert LookupProposer(TREE, LookupSpec(datastore=store)).r == 0.5  # without memory: cold
 
 

@@ -280,6 +280,25 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     return keep_nodes(union, keep)
 
 
+def size_by_cost(tree: DraftTree, policy: AutoTree) -> DraftTree:
+    """A model-free drafter's tree (prompt lookup, a datastore) verified alone under `--tree auto`:
+    its best-scored nodes, as many as maximise the expected tokens per millisecond at the step's
+    context (`policy.now`). Such a tree's scores are already acceptance estimates (prompt lookup's
+    q^depth / rank, a datastore's r x share), so a node adds exp(score) expected tokens, as in
+    merge_budget_by_cost. Without the cut a lookup tree is filled to its budget, and on a long
+    prompt on a CPU each node past a short chain costs a tree forward more than it returns. The
+    kept nodes are a prefix of the rank order (rerank), closed under parents: lossless."""
+    if tree.size <= 1:  # nothing matched: a plain step
+        policy.chosen.append((0, 1))
+        return tree
+    score = path_scores(tree)
+    gain = torch.tensor(sorted((math.exp(s) for s in score[1:]), reverse=True), dtype=torch.float64)  # [E]
+    costs = policy.now
+    take, _, _ = best_prefix(1.0, gain, costs.fixed_ms + costs.verify_table(gain.numel() + 1))
+    policy.chosen.append((0, take + 1))
+    return rerank(tree, take + 1)
+
+
 def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]) -> None:
     """Tell the heads' policies of a budget merge what its model-free members (prompt lookup, a
     datastore), which draft first, already offer this step: the expected tokens and node count of

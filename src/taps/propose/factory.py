@@ -103,16 +103,22 @@ AUTO_STORE_NODES = 24
 
 
 def _member(member: "EagleHead | LookupSpec", tree: TreeConfig, drafter: int, policy=None,
-            priced: bool = False, memory: VariantMemory | None = None) -> Proposer:
+            priced: bool = False, memory: VariantMemory | None = None, alone: bool = False) -> Proposer:
     """The proposer of one member, at place `drafter` of its variant; with `memory`, its running
-    estimates start from what the variant's earlier conversations taught them (propose/memory.py)."""
+    estimates start from what the variant's earlier conversations taught them (propose/memory.py).
+    `priced`: a budget merge by cost prices its nodes; `alone`: a single drafter, whose tree is
+    verified by itself (a route's members keep their caps: the router compares whole trees)."""
     if isinstance(member, LookupSpec):
-        if priced:
+        # --tree auto: a budget merge prices this member's nodes (merge_budget_by_cost), and a tree
+        # verified alone is cut by the measured costs (size_by_cost). Either way its chains may run
+        # deep and its datastore share be large: a node joins only where it pays
+        sizer = policy() if policy is not None and alone else None
+        if priced or sizer is not None:
             tree = replace(tree, depth=max(tree.depth, min(AUTO_LOOKUP_DEPTH, tree.total_tokens - 1)))
             if member.store_nodes is not None:
                 member = replace(member, store_nodes=max(member.store_nodes, AUTO_STORE_NODES))
         return LookupProposer(tree, member, drafter=drafter,
-                              memory=memory.lookup(drafter) if memory is not None else None)
+                              memory=memory.lookup(drafter) if memory is not None else None, policy=sizer)
     sized = policy() if policy is not None else None
     if sized is not None and memory is not None:
         sized.remember(memory.head(drafter, member))
@@ -153,7 +159,7 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
         head = average() if average is not None else average_heads(list(heads.values()), spec.weights)
         return _member(head, tree, 0, policy, memory=memory)
     if spec.strategy == "single":
-        return _member(heads[names[0]], tree, 0, policy, memory=memory)
+        return _member(heads[names[0]], tree, 0, policy, memory=memory, alone=True)
     priced = policy is not None and spec.strategy == "merge" and spec.merge_mode == "budget"
     singles = [_member(heads[n], tree, i, policy, priced, memory) for i, n in enumerate(names)]
     if spec.strategy == "route" and spec.signal == BANDIT.name:

@@ -18,10 +18,17 @@ in `--tree auto`'s budget merge, which reads exp(score) as the node's acceptance
 (drafter/auto_tree.py: merge_budget_by_cost). Each source keeps its own running estimate, because
 the two fail differently: prompt lookup is near certain inside a repeated span and useless
 elsewhere, while a datastore's frequencies say how often *other* answers went on this way.
-- prompt lookup:  logp(node) = depth * log(q) + log(1 / (rank + 1)), where q is the running rate
-  of accepted prompt-lookup draft tokens (a Beta(1, 1) prior, then accepted / tried on the
-  verified branch, docs/spec.md §5's conditional acceptance rate) and `rank` orders the
-  continuations;
+- prompt lookup:  logp(node) = sum_{j=1..depth} log q(n, j) + log(1 / (rank + 1)), where
+  q(n, j) is the running rate at which a prompt-lookup draft token at depth j of a continuation
+  found by an n-token match is accepted once its parent was (docs/spec.md §5's conditional
+  acceptance rate, counted on the verified branch), and `rank` orders the continuations. Each
+  (n, depth band) cell shrinks toward q, the rate pooled over all of them (a Beta(1, 1) prior:
+  0.5), with CELL_PRIOR pseudo-trials, so a cell with few trials reads as q. One pooled q
+  misprices a copy: measured on the long-prompt workload's greedy answers (rank-0 chains), a
+  first token is accepted 27 / 42 / 61 % of the time after a 1 / 2 / 3-token match, but once
+  three tokens of a copy are accepted the next is accepted about 92-97 % of the time. A pooled q
+  then overprices a chain's first token and prices its tail at q^depth, so trees cut by cost
+  (`--tree auto`) stopped where a copy had only begun;
 - datastore (propose/rest.py: a corpus of the target's own earlier answers, REST's retrieval):
   up to `store_nodes` of the datastore's most frequent continuations of the context's longest
   matching suffix (n = store_max_ngram..store_min_ngram), in the same trie as prompt lookup's (a
@@ -51,9 +58,17 @@ from torch import Tensor
 
 from taps.core.config import TreeConfig
 from taps.core.proposer import StepInfo
+from taps.drafter.auto_tree import size_by_cost
 from taps.propose.rest import Datastore
 from taps.core.tree import DraftTree, TokenPaths, rerank
 from taps.core.verify import Acceptance
+
+DEPTH_BANDS = (1, 2, 3, 4, 8)  # a draft token's depth band: the largest of these <= its depth
+CELL_PRIOR = 2.0  # pseudo-trials by which an (n, depth band) cell's rate leans to the pooled q
+
+
+def depth_band(depth: int) -> int:
+    return max(b for b in DEPTH_BANDS if b <= depth)
 
 
 @dataclass(frozen=True)
@@ -73,9 +88,11 @@ class LookupSpec:
 
 class LookupProposer:
     def __init__(self, tree: TreeConfig = TreeConfig(), spec: LookupSpec = LookupSpec(), drafter: int = 0,
-                 max_matches: int = 512, memory=None):
+                 max_matches: int = 512, memory=None, policy=None):
         """`memory`: what a server's earlier requests taught q and r (a propose/memory.LookupMemory):
-        both start warm from it, and every judged node is remembered there too."""
+        both start warm from it, and every judged node is remembered there too. `policy`: an
+        AutoTree (drafter/auto_tree.py) whose measured costs size each tree (size_by_cost), for
+        a lookup drafter verified alone under `--tree auto`; None fills the tree to its budget."""
         for lo, hi in ((spec.min_ngram, spec.max_ngram), (spec.store_min_ngram, spec.store_max_ngram)):
             if not 1 <= lo <= hi:
                 raise ValueError(f"lookup n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
@@ -89,11 +106,14 @@ class LookupProposer:
         self.store_nodes = spec.store_nodes  # at most this many datastore nodes per tree (None: the whole budget)
         self.accepted, self.tried = 1.0, 2.0  # prompt lookup's Beta(1, 1): q starts at 0.5
         self.store_accepted, self.store_promised = 1.0, 2.0  # the datastore's calibration: r starts at 0.5
-        self.memory = memory
+        self.memory, self.policy = memory, policy
         if memory is not None:
             self.accepted, self.tried = memory.prompt.warm(self.accepted, self.tried)
             self.store_accepted, self.store_promised = memory.store.warm(self.store_accepted, self.store_promised)
+        # (match n, depth band) -> [hits, trials] of prompt lookup's tokens (warm from memory when given)
+        self.cells: dict[tuple[int, int], list[float]] = {}
         self._proposed: dict[tuple[int, ...], float | None] = {}  # last tree: token path -> share (None: prompt lookup)
+        self._match_n: dict[tuple[int, ...], int] = {}  # last tree: prompt lookup's token path -> its match's n
         self._seq: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
         self._device = torch.device("cpu")
@@ -110,6 +130,16 @@ class LookupProposer:
     def q(self) -> float:
         """Running estimate of P(a prompt-lookup draft token is accepted | its parent was)."""
         return self.accepted / self.tried
+
+    def q_at(self, n: int, depth: int) -> float:
+        """P(a prompt-lookup token at `depth` of a continuation found by an n-token match is
+        accepted | its parent was): its cell's hits and trials, leaning to q by CELL_PRIOR."""
+        key = (n, depth_band(depth))
+        if key not in self.cells:
+            warm = self.memory.cell(key).warm(0.0, 0.0) if self.memory is not None else (0.0, 0.0)
+            self.cells[key] = list(warm)
+        hits, trials = self.cells[key]
+        return (hits + CELL_PRIOR * self.q) / (trials + CELL_PRIOR)
 
     @property
     def r(self) -> float:
@@ -128,7 +158,11 @@ class LookupProposer:
         self._append(tokens)
 
     def continuations(self) -> list[list[int]]:
-        """Up to top_k candidate continuations, best first (longest match, then most recent).
+        """Up to top_k candidate continuations, best first (longest match, then most recent)."""
+        return [cont for _, cont in self.matches()]
+
+    def matches(self) -> list[tuple[int, list[int]]]:
+        """(n, continuation) of each of continuations(): n is the length of the match it follows.
 
         A continuation that reaches the sequence's end goes on with the tokens it has just
         predicted: after an occurrence `period` tokens back, token j of the draft is
@@ -145,7 +179,7 @@ class LookupProposer:
                 cont = tuple(period * -(-depth // len(period)))[:depth]  # seq[start + j mod len(period)]
                 if cont not in seen:
                     seen.add(cont)
-                    found.append(list(cont))
+                    found.append((n, list(cont)))
                     if len(found) == self.tree.top_k:
                         return found
         return found
@@ -153,11 +187,11 @@ class LookupProposer:
     def propose(self) -> DraftTree:
         if not self._seq:
             raise RuntimeError("propose() before start()")
-        log_q, log_r = math.log(self.q), math.log(self.r)
+        log_r = math.log(self.r)
         tokens, parents, logp, depth, entropy = [self._seq[-1]], [-1], [0.0], [0], [0.0]
         child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         path: list[tuple[int, ...]] = [()]  # each node's token path below the root
-        self._proposed = {}
+        self._proposed, self._match_n = {}, {}
         budget = self.tree.total_tokens - 1
 
         def add(node: int, token: int, score: float, h: float, share: float | None) -> int:
@@ -175,10 +209,15 @@ class LookupProposer:
             return len(tokens) - 1
 
         h_q = _binary_entropy(self.q)
-        for rank, cont in enumerate(self.continuations() if self.prompt else []):
-            node = 0
-            for token in cont:
-                node = add(node, token, (depth[node] + 1) * log_q - math.log(rank + 1), h_q, None)
+        log_q: dict[tuple[int, int], float] = {}  # (n, depth) -> log q(n, depth), this step
+        for rank, (n, cont) in enumerate(self.matches() if self.prompt else []):
+            node, score = 0, -math.log(rank + 1)
+            for j, token in enumerate(cont, 1):
+                if (n, j) not in log_q:
+                    log_q[(n, j)] = math.log(self.q_at(n, j))
+                score += log_q[(n, j)]
+                node = add(node, token, score, h_q, None)
+                self._match_n.setdefault(path[node], n)
         if self.datastore is not None:
             placed: list[int | None] = []  # the tree node of each datastore node (None: left out)
             fresh, cap = 0, budget if self.store_nodes is None else min(budget, self.store_nodes)
@@ -199,7 +238,11 @@ class LookupProposer:
             entropy=torch.tensor(entropy, device=self._device),
             drafter=self.drafter,
         )
-        return rerank(drafted, budget + 1)  # the best `budget` nodes of both sources, by their estimates
+        best = rerank(drafted, budget + 1)  # the best `budget` nodes of both sources, by their estimates
+        if self.policy is None:
+            return best
+        self.policy.context = len(self._seq)  # the verify cost it weighs is the one at this context
+        return size_by_cost(best, self.policy)
 
     def observe(self, tree: DraftTree, acceptance: Acceptance, features: Tensor) -> None:
         """Score this proposer's tree against the tokens the target emitted (whichever tree was
@@ -230,6 +273,16 @@ class LookupProposer:
                 self.accepted += hit
                 if self.memory is not None:
                     self.memory.prompt.add(hit, 1)
+                # its cell: the longest match among the offered tokens' (none: a path this
+                # proposer did not draft, which counts for q alone)
+                n = max((self._match_n.get(stem + (token,), 0) for token in offered), default=0)
+                if n:
+                    self.q_at(n, i + 1)  # the cell exists, warm from memory
+                    cell = self.cells[(n, depth_band(i + 1))]
+                    cell[0] += hit
+                    cell[1] += 1
+                    if self.memory is not None:
+                        self.memory.cell((n, depth_band(i + 1))).add(hit, 1)
         if self.datastore is None:
             return
         node_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -249,7 +302,10 @@ class LookupProposer:
                 self.memory.store.add(hit, share)
 
     def step_info(self) -> StepInfo:
-        return StepInfo()
+        """With a policy: the tree tokens it chose for the last tree."""
+        if self.policy is None or not self.policy.chosen:
+            return StepInfo()
+        return StepInfo(tree_tokens=self.policy.chosen[-1][1])
 
 
 def _binary_entropy(p: float) -> float:

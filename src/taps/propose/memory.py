@@ -95,10 +95,15 @@ class HeadMemory:
 
 @dataclass
 class LookupMemory:
-    """A lookup member's two rates: prompt lookup's q and the datastore's r."""
+    """A lookup member's rates: prompt lookup's pooled q and its (match n, depth band) cells, and
+    the datastore's r."""
 
     prompt: Rate = field(default_factory=Rate)
     store: Rate = field(default_factory=Rate)
+    cells: dict[tuple[int, int], Rate] = field(default_factory=dict)
+
+    def cell(self, key: tuple[int, int]) -> Rate:
+        return self.cells.setdefault(key, Rate())
 
 
 class VariantMemory:
