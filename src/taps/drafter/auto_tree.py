@@ -237,9 +237,9 @@ def merge_budget_by_cost(trees: Sequence[DraftTree], total_tokens: int, policy: 
     model-free member (prompt lookup, a datastore) both proposed are kept, and every other node,
     best expected acceptance first, joins only while it raises the expected tokens per millisecond.
 
-    The model-free members' score is already an acceptance estimate (prompt lookup's q^depth, a
-    datastore's r x share: each source's own running estimate, times the datastore's frequency of
-    the continuation), so such a node adds exp(score) expected tokens. A node only the heads
+    The model-free members' score is already an acceptance estimate (prompt lookup's rates along
+    the path, a datastore's r x share: each source's own running estimates, times the datastore's
+    frequency of the continuation), so such a node adds exp(score) expected tokens. A node only the heads
     proposed adds `policy.alone(confidence)`: the acceptance of such nodes measured in earlier
     merges (observe_budget_merge), not the head's own calibration, which pools them with the
     nodes lookup proposed too and so overstates them where lookup drafts well (a served format,
@@ -284,10 +284,11 @@ def size_by_cost(tree: DraftTree, policy: AutoTree) -> DraftTree:
     """A model-free drafter's tree (prompt lookup, a datastore) verified alone under `--tree auto`:
     its best-scored nodes, as many as maximise the expected tokens per millisecond at the step's
     context (`policy.now`). Such a tree's scores are already acceptance estimates (prompt lookup's
-    q^depth / rank, a datastore's r x share), so a node adds exp(score) expected tokens, as in
-    merge_budget_by_cost. Without the cut a lookup tree is filled to its budget, and on a long
-    prompt on a CPU each node past a short chain costs a tree forward more than it returns. The
-    kept nodes are a prefix of the rank order (rerank), closed under parents: lossless."""
+    product of its path's learned rates over its rank, a datastore's r x share: propose/lookup.py),
+    so a node adds exp(score) expected tokens, as in merge_budget_by_cost. Without the cut a lookup
+    tree is filled to its budget, and on a long prompt on a CPU each node past a short chain costs
+    a tree forward more than it returns. The kept nodes are a prefix of the rank order (rerank),
+    closed under parents: lossless."""
     if tree.size <= 1:  # nothing matched: a plain step
         policy.chosen.append((0, 1))
         return tree

@@ -134,12 +134,15 @@ class LookupProposer:
     def q_at(self, n: int, depth: int) -> float:
         """P(a prompt-lookup token at `depth` of a continuation found by an n-token match is
         accepted | its parent was): its cell's hits and trials, leaning to q by CELL_PRIOR."""
-        key = (n, depth_band(depth))
+        hits, trials = self._cell((n, depth_band(depth)))
+        return (hits + CELL_PRIOR * self.q) / (trials + CELL_PRIOR)
+
+    def _cell(self, key: tuple[int, int]) -> list[float]:
+        """[hits, trials] of one (n, depth band) cell, made on first use (warm from memory)."""
         if key not in self.cells:
             warm = self.memory.cell(key).warm(0.0, 0.0) if self.memory is not None else (0.0, 0.0)
             self.cells[key] = list(warm)
-        hits, trials = self.cells[key]
-        return (hits + CELL_PRIOR * self.q) / (trials + CELL_PRIOR)
+        return self.cells[key]
 
     @property
     def r(self) -> float:
@@ -277,12 +280,12 @@ class LookupProposer:
                 # proposer did not draft, which counts for q alone)
                 n = max((self._match_n.get(stem + (token,), 0) for token in offered), default=0)
                 if n:
-                    self.q_at(n, i + 1)  # the cell exists, warm from memory
-                    cell = self.cells[(n, depth_band(i + 1))]
+                    key = (n, depth_band(i + 1))
+                    cell = self._cell(key)
                     cell[0] += hit
                     cell[1] += 1
                     if self.memory is not None:
-                        self.memory.cell((n, depth_band(i + 1))).add(hit, 1)
+                        self.memory.cell(key).add(hit, 1)
         if self.datastore is None:
             return
         node_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
