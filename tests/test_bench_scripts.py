@@ -127,3 +127,23 @@ def test_compare_answers_counts_differing_answers_over_the_requests_both_runs_an
     assert compare.main([f"{plain}:plain", str(not_results)]) == 2
     assert str(not_results) in capsys.readouterr().err
     assert compare.main([str(plain), str(stream)]) == 2
+
+
+def test_lookup_depth_rates_counts_each_depth_once_its_parent_was_accepted(tmp_path, capsys, monkeypatch):
+    """Replaying an answer that copies the prompt for three tokens and then leaves it: depths 1-3
+    accepted, depth 4 tried and rejected, nothing drafted where nothing matches; bad input exits 2."""
+    from collections import Counter
+
+    monkeypatch.syspath_prepend(str(BENCH))  # as when run: the script's folder holds _long_prompts
+    rates = _bench("lookup_depth_rates")
+    tried, accepted = Counter(), Counter()
+    rates.replay([5, 1, 2, 3, 4, 9], [1, 2, 3, 4, 7, 8], tried, accepted)
+    assert tried == Counter({(1, 1): 1, (1, 2): 1, (1, 3): 1, (1, 4): 1})  # a 1-token match ("1")
+    assert accepted == Counter({(1, 1): 1, (1, 2): 1, (1, 3): 1})
+    assert rates.main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    other = tmp_path / "short.jsonl"
+    other.write_text(json.dumps({"bench": "gsm8k", "question": 0, "decoder": "plain", "temperature": 0.0,
+                                 "tokens": [1]}) + "\n")
+    assert rates.main([str(other)]) == 2
+    assert "no greedy `plain` answers of a --workload long run" in capsys.readouterr().err
