@@ -292,12 +292,19 @@ def size_by_cost(tree: DraftTree, policy: AutoTree) -> DraftTree:
     if tree.size <= 1:  # nothing matched: a plain step
         policy.chosen.append((0, 1))
         return tree
-    score = path_scores(tree)
-    gain = torch.tensor(sorted((math.exp(s) for s in score[1:]), reverse=True), dtype=torch.float64)  # [E]
-    costs = policy.now
-    take, _, _ = best_prefix(1.0, gain, costs.fixed_ms + costs.verify_table(gain.numel() + 1))
+    take, _ = _paying_nodes(tree, policy.now)
     policy.chosen.append((0, take + 1))
     return rerank(tree, take + 1)
+
+
+def _paying_nodes(tree: DraftTree, costs: StepCosts) -> tuple[int, float]:
+    """(nodes, expected tokens) of the best-paying share of a model-free tree verified alone: its
+    nodes best estimate first (path scores, so the share is closed under parents), as many as
+    maximise expected tokens per millisecond of verification."""
+    gain = torch.tensor(sorted((math.exp(s) for s in path_scores(tree)[1:]), reverse=True),
+                        dtype=torch.float64)  # [E] best first
+    take, expected, _ = best_prefix(1.0, gain, costs.fixed_ms + costs.verify_table(gain.numel() + 1))
+    return take, expected
 
 
 def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]) -> None:
@@ -311,10 +318,7 @@ def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]
     union = merge_trie(trees) if trees else None
     given = (0.0, 0)
     if union is not None and union.size > 1 and policies:
-        costs = policies[0].now
-        gain = torch.tensor(sorted((math.exp(s) for s in path_scores(union)[1:]), reverse=True),
-                            dtype=torch.float64)  # [E] best first (closed under parents: path scores)
-        take, expected, _ = best_prefix(1.0, gain, costs.fixed_ms + costs.verify_table(gain.numel() + 1))
+        take, expected = _paying_nodes(union, policies[0].now)
         given = (expected - 1.0, take)
     for policy in policies:
         policy.given = given
