@@ -158,7 +158,8 @@ def run(args, name: str, stream: list[str], learn: Path | None, adapt_after: int
                 u = reply.usage.model_extra
                 rows.append({"i": i, "text": reply.choices[0].message.content, "tokens": reply.usage.completion_tokens,
                              "calls": u["verifier_calls"], "seconds": reply.usage.completion_tokens / u["tokens_per_second"]
-                             if u.get("tokens_per_second") else None})
+                             if u.get("tokens_per_second") else None,
+                             "phases": u.get("seconds"), "tree_tokens": u.get("mean_tree_tokens")})
             except Exception as err:  # counted, the stream goes on
                 rows.append({"i": i, "error": f"{type(err).__name__}: {err}"})
             if learner is not None:  # requests spaced out: each one drafts from every earlier answer (reproducible)
@@ -193,10 +194,22 @@ def windows(result: dict, size: int) -> list[dict]:
         tokens, calls = sum(r["tokens"] for r in part), sum(r["calls"] for r in part)
         inside = [g for g in gauges if start <= g["after"] < start + size]
         out.append({"requests": f"{start + 1}-{start + size}", "acceptance": tokens / calls if calls else 0.0,
-                    "tokens_per_s": rate(part),
+                    "tokens_per_s": rate(part), **step_split(part),
                     "gauge_plain_tokens_per_s": rate([g for g in inside if g["variant"] == "plain"]),
                     "gauge_head_tokens_per_s": rate([g for g in inside if g["variant"] == "head"])})
     return out
+
+
+def step_split(rows: list[dict]) -> dict:
+    """Where these requests' steps went: per draft/verify step, ms of drafting, of the target's tree
+    forwards and of the rest, and the mean tree size (empty: rows from before usage had them)."""
+    timed = [r for r in rows if r.get("phases") and r.get("tree_tokens") is not None]
+    steps = sum(r["calls"] - 1 for r in timed)
+    if not steps:
+        return {}
+    per_step = {f"step_{phase}_ms": 1e3 * sum(r["phases"][phase] for r in timed) / steps
+                for phase in ("draft", "target", "other")}
+    return {**per_step, "tree_tokens": sum(r["tree_tokens"] * (r["calls"] - 1) for r in timed) / steps}
 
 
 def over_gauge(window: dict) -> float | None:
@@ -334,6 +347,10 @@ def print_table(args, summary: dict) -> None:
             gauged = " | ".join(f"{w['gauge_plain_tokens_per_s']:.0f} / {w['gauge_head_tokens_per_s']:.0f}"
                                 for w in figures["windows"])
             print(f"| {name} gauge (plain / head tok/s) | {gauged} | | | |")
+        if all("tree_tokens" in w for w in figures["windows"]):
+            split = " | ".join(f"{w['step_draft_ms']:.1f} / {w['step_target_ms']:.1f} / {w['step_other_ms']:.1f} / "
+                               f"{w['tree_tokens']:.1f}" for w in figures["windows"])
+            print(f"| {name} per step (draft / target / other ms / tree tokens) | {split} | | | |")
         if figures["capped"] > len(figures["requests"]) // 2:
             print(f"  note: {figures['capped']} of {len(figures['requests'])} answers of {name} ran to --max-tokens (often a "
                   "repetition loop, which any lookup drafter copies): the stream measures loops, not the task")

@@ -147,3 +147,20 @@ def test_lookup_depth_rates_counts_each_depth_once_its_parent_was_accepted(tmp_p
                                  "tokens": [1]}) + "\n")
     assert rates.main([str(other)]) == 2
     assert "no greedy `plain` answers of a --workload long run" in capsys.readouterr().err
+
+
+def test_serve_adapt_splits_each_windows_steps_by_phase():
+    """Per window: drafting, target and other ms per draft/verify step and the mean tree size, from
+    the usage of its timed requests (steps = verifier calls - 1; rows without a split are left out)."""
+    serve_adapt = _bench("serve_adapt")
+    rows = [{"i": 0, "tokens": 10, "calls": 3, "seconds": 1.0, "tree_tokens": 4.0,
+             "phases": {"draft": 0.02, "target": 0.2, "other": 0.002}},
+            {"i": 1, "tokens": 10, "calls": 5, "seconds": 1.0, "tree_tokens": 7.0,
+             "phases": {"draft": 0.06, "target": 0.4, "other": 0.01}},
+            {"i": 2, "tokens": 10, "calls": 5, "seconds": 1.0}]
+    split = serve_adapt.step_split(rows)
+    assert split["step_draft_ms"] == pytest.approx(80 / 6) and split["step_target_ms"] == pytest.approx(100)
+    assert split["step_other_ms"] == pytest.approx(2) and split["tree_tokens"] == pytest.approx(36 / 6)
+    assert serve_adapt.step_split(rows[2:]) == {}
+    (window,) = serve_adapt.windows({"rows": rows}, 3)
+    assert window["tree_tokens"] == pytest.approx(6.0) and window["acceptance"] == pytest.approx(30 / 13)

@@ -223,6 +223,17 @@ def test_metrics_count_requests_tokens_and_acceptance(served):
     assert sum(heads.values()) == steps
     assert after["taps_tokens_per_second"][v] > 0 and after["taps_requests_running"][()] == 0
     assert after["taps_queue_limit"][()] == 4
+    # where the decode time went, by phase, as each response's usage says it; the tree sizes per step
+    phases = {dict(k)["phase"]: n for k, n in after["taps_decode_phase_seconds_total"].items()
+              if dict(k)["variant"] == "merge-trie:b,a"}
+    assert set(phases) == {"setup", "prefill", "draft", "target", "other"}
+    for phase in phases:
+        assert phases[phase] == pytest.approx(sum(r.usage.model_extra["seconds"][phase] for r in replies), abs=1e-3)
+    assert phases["target"] > 0 and phases["draft"] > 0
+    assert sum(phases.values()) <= after["taps_decode_seconds_total"][v] + 1e-6
+    tree_tokens = after["taps_tree_tokens_total"][v]
+    assert steps < tree_tokens == pytest.approx(sum(r.usage.model_extra["mean_tree_tokens"] * (r.usage.verifier_calls - 1)
+                                                    for r in replies), abs=0.02)
     rejected = before.get("taps_rejected_requests_total", {}).get((("status", "400"),), 0)
     raw(served["url"], "POST", "/v1/chat/completions", b"{")
     assert metrics(served["url"])["taps_rejected_requests_total"][(("status", "400"),)] == rejected + 1

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from taps.core.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from taps.core.decode import StepStats, chat_ids, generate, reply_text
+from taps.core.decode import DecodeResult, StepStats, chat_ids, generate, reply_text
 from taps.drafter.profile import tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.spec import LOOKUP, VariantSpec, VariantSpecError, parse_spec
@@ -87,6 +87,10 @@ class Outcome:
     heads: list[str | None]  # per step: the head whose tree was verified (routing) or accepted deepest
     decode_s: float
     decisions: list[dict] = field(default_factory=list)  # a routed variant's decisions (decision_record)
+    # where decode_s went (DecodeResult.time_split, plus "setup": building the proposer, and the rest
+    # of decode_s not inside a step), and the nodes verified per step (the root counts)
+    seconds: dict[str, float] = field(default_factory=dict)
+    tree_tokens: list[int] = field(default_factory=list)
 
     @property
     def accepted_tokens(self) -> int:
@@ -95,6 +99,14 @@ class Outcome:
     @property
     def acceptance_length(self) -> float:
         return len(self.tokens) / self.verifier_calls if self.verifier_calls else 0.0
+
+
+def phase_seconds(result: DecodeResult, setup_s: float) -> dict[str, float]:
+    """A decode's seconds by phase: building the proposer, the prefill, drafting, the target's tree
+    forwards, verification and bookkeeping (DecodeResult.time_split)."""
+    split = result.time_split()
+    return {"setup": setup_s, "prefill": split["prefill_s"], "draft": split["draft_s"],
+            "target": split["target_s"], "other": split["other_s"]}
 
 
 def _step_head(step: StepStats, names: Sequence[str]) -> str | None:
@@ -238,11 +250,13 @@ class Engine:
 
         start = time.perf_counter()
         proposer = self.pool.proposer(variant.spec, self.tree, self.policy, remember=remember)
+        built = time.perf_counter()
         result = generate(self.target, proposer, prompt, cfg, on_step=on_step)
         steps, names = result.steps, variant.members
         outcome = Outcome(result.tokens, result.prompt_tokens, result.stop_reason, result.verifier_calls,
                           [s.accepted for s in steps], [_step_head(s, names) for s in steps],
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, seconds=phase_seconds(result, built - start),
+                          tree_tokens=[s.tree_size for s in steps])
         outcome.decisions = [decision_record(variant, i, s) for i, s in enumerate(steps)
                              if s.info.route_scores is not None]
         for record in outcome.decisions:

@@ -87,6 +87,10 @@ class Metrics:
             ("verifier_calls_total", "counter", "target forwards (the prefill counts as one)", ()),
             ("decode_seconds_total", "counter", "seconds spent decoding (queue excluded)", ()),
             ("tokens_per_second", "gauge", "completion_tokens_total / decode_seconds_total", ()),
+            ("decode_phase_seconds_total", "counter", "decode seconds by phase: setup (building the proposer), "
+                                                      "prefill, draft, target (tree forwards), other", ()),
+            ("tree_tokens_total", "counter", "nodes verified over all steps, roots included "
+                                             "(/ steps_total: the mean tree size)", ()),
             ("acceptance_length", "histogram", "per response: generated tokens / verifier calls", ACCEPTANCE_BUCKETS),
             ("step_accepted_tokens", "histogram", "per draft/verify step: accepted draft tokens", STEP_BUCKETS),
             ("steps_total", "counter", "draft/verify steps (prefill excluded)", ()),
@@ -137,6 +141,9 @@ class Metrics:
             f["accepted_tokens_total"].add(v, outcome.accepted_tokens)
             f["verifier_calls_total"].add(v, outcome.verifier_calls)
             f["decode_seconds_total"].add(v, outcome.decode_s)
+            for phase, seconds_in in outcome.seconds.items():
+                f["decode_phase_seconds_total"].add({**v, "phase": phase}, seconds_in)
+            f["tree_tokens_total"].add(v, sum(outcome.tree_tokens))
             key = tuple(v.items())
             seconds_total = f["decode_seconds_total"].values[key]
             if seconds_total > 0:

@@ -271,14 +271,18 @@ def new_id(chat: bool) -> str:
 
 
 def usage(outcome, variant) -> dict:
-    """OpenAI's usage plus the acceptance figures of this response (and, for compositions, the
-    share of steps each head had)."""
+    """OpenAI's usage plus the acceptance figures of this response, where its decode time went
+    (`seconds` by phase: setup, prefill, draft, target, other) and the mean verified tree size (for
+    compositions, also the share of steps each head had)."""
     completion = len(outcome.tokens)
     figures = {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": completion,
                "total_tokens": outcome.prompt_tokens + completion,
                "accepted_tokens": outcome.accepted_tokens, "verifier_calls": outcome.verifier_calls,
                "acceptance_length": round(outcome.acceptance_length, 4), "variant": variant.label,
-               "tokens_per_second": round(completion / outcome.decode_s, 2) if outcome.decode_s > 0 else None}
+               "tokens_per_second": round(completion / outcome.decode_s, 2) if outcome.decode_s > 0 else None,
+               "seconds": {phase: round(s, 4) for phase, s in outcome.seconds.items()},
+               "mean_tree_tokens": round(sum(outcome.tree_tokens) / len(outcome.tree_tokens), 2)
+               if outcome.tree_tokens else None}
     if variant.composition:
         steps = len(outcome.heads)
         shares = {name: sum(h == name for h in outcome.heads) / steps if steps else 0.0 for name in variant.members}
