@@ -231,15 +231,17 @@ def test_a_head_in_a_budget_merge_sizes_its_tree_over_what_lookup_already_offers
     scores = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.1]))
     alone = policy.tree_tokens(scores, 2, 32)
     lookup = _chain([5, 8, 9, 10, 11, 12], [0.95, 0.9, 0.85, 0.8, 0.75, 0.7], drafter=1)
-    brief_sized_members([lookup], [policy])
+    brief_sized_members([lookup], policies=[policy])
     assert policy.given[1] == 6 and policy.given[0] == pytest.approx(4.95)  # every node pays at 1 ms a token
     beside = policy.tree_tokens(scores, 2, 32)
     assert 1 < beside < alone
     beams = torch.log(torch.tensor([0.3, 0.2]))
     assert not policy.go_deeper(scores, beams, 2)
-    brief_sized_members([], [policy])
+    brief_sized_members([], policies=[policy])
     assert policy.given == (0.0, 0) and policy.tree_tokens(scores, 2, 32) == alone
     assert policy.go_deeper(scores, beams, 2)
+    brief_sized_members([lookup], 900, policies=[policy])  # the step's context, as lookup drafted at it
+    assert policy.context == 900
 
 
 def test_a_heads_calibration_counts_a_dropped_node_the_target_agreed_with():

@@ -307,14 +307,19 @@ def _paying_nodes(tree: DraftTree, costs: StepCosts) -> tuple[int, float]:
     return take, expected
 
 
-def brief_sized_members(trees: Sequence[DraftTree], policies: Sequence[AutoTree]) -> None:
+def brief_sized_members(trees: Sequence[DraftTree], context: int | None = None, *,
+                        policies: Sequence[AutoTree]) -> None:
     """Tell the heads' policies of a budget merge what its model-free members (prompt lookup, a
     datastore), which draft first, already offer this step: the expected tokens and node count of
     their best-paying share alone (their nodes best estimate first, as many as maximise expected
     tokens per millisecond of verification). A head then drafts another level, and keeps another
     node, only where that raises the rate of the merged tree: where lookup already drafts a served
     format well, the head stops early, and its levels (a head forward each) are not spent on nodes
-    the merge would not keep."""
+    the merge would not keep. `context`: the committed context of this step (the policies price
+    its verify cost; a head that did not draft last step would otherwise price the one before)."""
+    if context is not None:
+        for policy in policies:
+            policy.context = context
     union = merge_trie(trees) if trees else None
     given = (0.0, 0)
     if union is not None and union.size > 1 and policies:

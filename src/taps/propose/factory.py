@@ -36,6 +36,7 @@ from taps.drafter.head import EagleHead
 from taps.propose.bandit import BANDIT, BanditRouter, BanditState
 from taps.core.proposer import PlainProposer, Proposer
 from taps.propose.rest import Datastore, DatastoreError, is_datastore
+from taps.propose.head_gate import HeadGate
 from taps.propose.lookup import LookupProposer, LookupSpec  # noqa: F401 (LookupSpec: re-exported)
 from taps.propose.memory import VariantMemory
 from taps.propose.merged import MergedProposer
@@ -170,7 +171,7 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
                               names=names)
     merge = MERGES[spec.merge_mode](tree)
     sized = {i: s.policy for i, s in enumerate(singles) if getattr(s, "policy", None) is not None}
-    observe, first, brief = None, (), None
+    observe, first, brief, gate = None, (), None, None
     # --tree auto with lookup members: every node joins only where it pays (heads alone keep the
     # budget merge of their policy-sized trees)
     if spec.merge_mode == "budget" and sized and len(sized) < len(singles):
@@ -180,7 +181,11 @@ def compose(spec: VariantSpec, heads: Mapping[str, "EagleHead | LookupSpec"], tr
         # the model-free members draft first, and the heads size their trees over what they offer
         first = tuple(i for i in range(len(singles)) if i not in sized)
         brief = partial(brief_sized_members, policies=list(sized.values()))
-    return MergedProposer(singles, merge=merge, names=names, observe_merge=observe, first=first, brief=brief)
+        # and the heads draft only where what they add over lookup pays for their drafting
+        head = heads[names[min(sized)]]
+        gate = HeadGate(state=memory.gate(head) if memory is not None else None, **priced)
+    return MergedProposer(singles, merge=merge, names=names, observe_merge=observe, first=first, brief=brief,
+                          gate=gate)
 
 
 class HeadPool:

@@ -304,6 +304,12 @@ class LookupProposer:
             if self.memory is not None:
                 self.memory.store.add(hit, share)
 
+    @property
+    def context_length(self) -> int:
+        """Tokens of the context so far, the pending one included (the context a step's verify
+        cost is priced at: a budget merge's heads read it when they did not draft themselves)."""
+        return len(self._seq)
+
     def step_info(self) -> StepInfo:
         """With a policy: the tree tokens it chose for the last tree."""
         if self.policy is None or not self.policy.chosen:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from taps.propose.head_gate import GateState
+
 WARM_NODES = 16.0  # a calibration bin starts from at most this many remembered nodes (its cold prior: 4)
 WARM_TRIALS = 8.0  # a lookup rate starts from at most this many remembered trials (its cold prior: 2)
 MEMORY = 1000.0  # remembered observations per bin / per rate; older ones fade in proportion
@@ -115,9 +117,16 @@ class VariantMemory:
     def __init__(self) -> None:
         self._lookups: dict[int, LookupMemory] = {}
         self._heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {index: HeadMemory}
+        self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first head -> GateState
 
     def lookup(self, index: int) -> LookupMemory:
         return self._lookups.setdefault(index, LookupMemory())
 
     def head(self, index: int, head) -> HeadMemory:
         return self._heads.setdefault(head, {}).setdefault(index, HeadMemory())
+
+    def gate(self, head) -> GateState:
+        """A budget merge's head gate (propose/head_gate.py), shared by its requests as it is (one
+        request decodes at a time): what its heads add over lookup is a property of the workload
+        and of the head (`head`, its first: a new version learns afresh)."""
+        return self._gates.setdefault(head, GateState())

@@ -20,6 +20,7 @@ its last step, so that step's `accepted_drafters` stays None.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -56,15 +57,21 @@ class MergedProposer(ProposerGroup):
                  merge: Callable[[Sequence[DraftTree]], DraftTree] = merge_disjoint,
                  names: Sequence[str] | None = None,
                  observe_merge: Callable[[Sequence[DraftTree], list[int]], None] | None = None,
-                 first: Sequence[int] = (), brief: Callable[[list[DraftTree]], None] | None = None):
+                 first: Sequence[int] = (), brief: Callable[[list[DraftTree], int | None], None] | None = None,
+                 gate=None):
         super().__init__(proposers, names)
         self.merge = merge
-        # members that draft first (by index), and what the others are told of their trees before
-        # they draft (a budget merge by cost: drafter/auto_tree.py brief_sized_members)
+        # members that draft first (by index), and what the others are told of their trees (and the
+        # context the first drafted at) before they draft (a budget merge by cost:
+        # drafter/auto_tree.py brief_sized_members)
         self.first, self.brief = tuple(first), brief
         # what the merge learns from each verified step: the members' own trees and the emitted
         # tokens (a budget merge by cost: drafter/auto_tree.py observe_budget_merge)
         self.observe_merge = observe_merge
+        # whether the other members draft at all this step, after the first ones did (a budget merge
+        # by cost: propose/head_gate.HeadGate); a member left out verifies nothing of its own and
+        # observes the step from a root-only tree
+        self.gate = gate
         self.records: list[MergeRecord] = []
 
     def propose(self) -> DraftTree:
@@ -72,11 +79,17 @@ class MergedProposer(ProposerGroup):
         trees: list[DraftTree | None] = [None] * len(self.proposers)
         for i in self.first:
             trees[i] = self.proposers[i].propose()
-        if self.brief is not None:
-            self.brief([trees[i] for i in self.first])
+        if self.brief is not None:  # with the context the first member drafted at
+            self.brief([trees[i] for i in self.first], getattr(self.proposers[self.first[0]], "context_length", None))
+        if self.gate is not None and self.first and not self.gate.drafts():
+            root = trees[self.first[0]]  # every member's tree has the pending token at its root
+            trees = [t if t is not None else DraftTree.root_only(int(root.tokens[0]), root.tokens.device) for t in trees]
+        start = time.perf_counter()
         for i, proposer in enumerate(self.proposers):
             if trees[i] is None:
                 trees[i] = proposer.propose()
+        if self.gate is not None and self.gate.decisions and self.gate.decisions[-1]:
+            self.gate.drafted(1e3 * (time.perf_counter() - start))
         merged = self.merge(trees)
         self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),
                                         merged_size=merged.size))
@@ -88,6 +101,8 @@ class MergedProposer(ProposerGroup):
         self.records[-1].accepted_drafters = accepted_path_drafters(tree, acceptance.tokens[1:].tolist())
         if self.observe_merge is not None and tree.parts:
             self.observe_merge(tree.parts, acceptance.new_tokens)
+        if self.gate is not None:
+            self.gate.observe(tree, acceptance.new_tokens)
         super().observe(tree, acceptance, features)
 
     def step_info(self) -> StepInfo:

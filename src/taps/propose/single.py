@@ -1,5 +1,12 @@
 """SingleProposer: one EAGLE head drafting EAGLE-2 dynamic trees, of a fixed shape or, with an
-AutoTree policy, of the depth and size its measured costs and calibrated confidences favour."""
+AutoTree policy, of the depth and size its measured costs and calibrated confidences favour.
+
+The head consumes the committed context (the prompt at start(), each step's accepted tokens at
+observe()) lazily: it queues them and feeds them all at once when it next drafts. A head that
+drafts every step consumes exactly what it did before, one step later; one a composition leaves
+out for a while (a per-turn router's other heads, a budget merge's heads while prompt lookup
+copies: propose/head_gate.py) pays one forward over the whole gap when it drafts again, and
+nothing while it waits, on a long prompt nothing at all until it is first asked to draft."""
 
 from __future__ import annotations
 
@@ -22,15 +29,28 @@ class SingleProposer:
         self.drafter = drafter  # its index in a composition: bit `drafter` of its trees' drafters
         self.policy = policy  # drafter.auto_tree.AutoTree or None (fixed trees)
         self._ctx: HeadContext | None = None
+        self._pending: list[tuple[Tensor, Tensor]] | None = None  # (next tokens [T], features [T, F]) not consumed yet
+        self.consumed = 0  # consume() calls so far (each a head forward)
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
         if tokens.shape[0] != features.shape[0] + 1:
             raise ValueError(f"start(): {tokens.shape[0]} tokens for {features.shape[0]} features; expected one more token")
-        self._ctx = consume(self.head, None, tokens[1:], features)
+        self._ctx, self._pending = None, [(tokens[1:], features)]
+
+    def _catch_up(self) -> HeadContext:
+        """The head's context with every queued pair consumed, in one head forward."""
+        if self._pending:
+            tokens = torch.cat([t for t, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
+            features = torch.cat([f for _, f in self._pending]) if len(self._pending) > 1 else self._pending[0][1]
+            self._ctx = consume(self.head, self._ctx, tokens, features)
+            self._pending.clear()
+            self.consumed += 1
+        return self._ctx
 
     def propose(self) -> DraftTree:
-        if self._ctx is None:
+        if self._pending is None:
             raise RuntimeError("propose() before start()")
+        self._catch_up()
         if self.policy is not None:  # the verify cost it weighs is the one at this context
             self.policy.context = self._ctx.length
         return expand_tree(self.head, self._ctx, self.tree, self.drafter, self.policy)
@@ -44,7 +64,7 @@ class SingleProposer:
             on_path = path_nodes(tree, acceptance.new_tokens)  # [N] bool
             self.policy.observe(tree.confidence[1:], on_path[1:])
         next_tokens = torch.tensor(acceptance.new_tokens, dtype=torch.long, device=features.device)  # [A+1]
-        self._ctx = consume(self.head, self._ctx, next_tokens, features)
+        self._pending.append((next_tokens, features))
 
     def step_info(self) -> StepInfo:
         """With a policy: the levels drafted and tree tokens it chose for the last tree."""
