@@ -17,14 +17,17 @@ slots their nodes take. It skips the heads where
 
 with g, n lookup's expected tokens and nodes, m and h the band's mean marginal tokens and head
 nodes, verify() the measured verify cost at the step's context (the policy's profile) and d the
-heads' measured drafting time (a running mean of wall time, consuming included). A skipped head
-queues the step's tokens and consumes them all when it next drafts (propose/single.py), so it
-loses nothing but the forwards it did not run. Every `EXPLORE_EVERY`-th step a band would skip,
+heads' measured drafting time (a running mean of the wall time of steps that follow a drafted
+step: consuming that step, the LM head, the levels). A skipped head queues the step's tokens and
+consumes them all in one forward when it next drafts (propose/single.py), so it loses nothing but
+the forwards it did not run; that catch-up is left out of d (one forward over a gap, not a cost
+per step). Every `EXPLORE_EVERY`-th step a band would skip,
 the heads draft anyway, so a band's estimate follows a head that improves (a new version) or a
 workload that changes.
 
-It starts by drafting (its prior: one marginal token per step, worth `PRIOR_STEPS` steps) and,
-in a server, keeps what it learned from one request to the next (`GateState`, held per variant by
+A band's estimate leans on the mean over all bands (a request's few dozen steps spread over seven
+bands), which starts at one marginal token a step: so it starts by drafting and learns within a
+request what the heads add. In a server it keeps what it learned from one request to the next (`GateState`, held per variant by
 propose/memory.VariantMemory). It only chooses what is drafted; verification is unchanged, so
 decoding stays lossless.
 """
@@ -39,7 +42,8 @@ from taps.core.tree import DraftTree, TokenPaths
 # edges on lookup's expected extra tokens g: bands [0, 0.5), [0.5, 1), ..., [8, inf)
 BAND_EDGES = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0)
 PRIOR_GAIN = 1.0  # marginal tokens a step before anything is measured: the heads draft
-PRIOR_STEPS = 2.0
+PRIOR_STEPS = 1.0  # ... worth this many steps of the pooled estimate
+BAND_WEIGHT = 2.0  # a band's own steps are pulled to the pooled estimate by this many steps of it
 EXPLORE_EVERY = 8
 MEMORY_STEPS = 500.0  # observed steps per band; older ones fade in proportion
 DRAFT_MS_DECAY = 0.9  # running mean of the heads' drafting time: weight of the past
@@ -50,9 +54,9 @@ class GateState:
     """What the gate learned: per band, the marginal tokens and head nodes summed over the steps
     the heads drafted, those steps, and the steps it skipped; the heads' drafting time."""
 
-    gain: list[float] = field(default_factory=lambda: [PRIOR_GAIN * PRIOR_STEPS] * (len(BAND_EDGES) + 1))
+    gain: list[float] = field(default_factory=lambda: [0.0] * (len(BAND_EDGES) + 1))
     nodes: list[float] = field(default_factory=lambda: [0.0] * (len(BAND_EDGES) + 1))
-    steps: list[float] = field(default_factory=lambda: [PRIOR_STEPS] * (len(BAND_EDGES) + 1))
+    steps: list[float] = field(default_factory=lambda: [0.0] * (len(BAND_EDGES) + 1))
     skipped: list[int] = field(default_factory=lambda: [0] * (len(BAND_EDGES) + 1))
     draft_ms: float | None = None  # None until the heads have drafted once
 
@@ -65,6 +69,17 @@ class GateState:
             self.gain[band] *= scale
             self.nodes[band] *= scale
             self.steps[band] = MEMORY_STEPS
+
+    def expected(self, band: int) -> tuple[float, float]:
+        """(marginal tokens, head nodes) a drafted step adds in `band`: the band's own mean pulled
+        to the mean over every band (a request's few steps spread over seven bands), which starts
+        at PRIOR_GAIN tokens and no nodes."""
+        steps = sum(self.steps)
+        pooled_gain = (sum(self.gain) + PRIOR_GAIN * PRIOR_STEPS) / (steps + PRIOR_STEPS)
+        pooled_nodes = sum(self.nodes) / (steps + PRIOR_STEPS)
+        weight = self.steps[band] + BAND_WEIGHT
+        return ((self.gain[band] + BAND_WEIGHT * pooled_gain) / weight,
+                (self.nodes[band] + BAND_WEIGHT * pooled_nodes) / weight)
 
     def timed(self, ms: float) -> None:
         self.draft_ms = ms if self.draft_ms is None else DRAFT_MS_DECAY * self.draft_ms + (1 - DRAFT_MS_DECAY) * ms
@@ -99,7 +114,7 @@ class HeadGate:
 
     def _pays(self, band: int, given_tokens: float, given_nodes: int) -> bool:
         s, costs = self.state, self.policy.now
-        gain, nodes = s.gain[band] / s.steps[band], s.nodes[band] / s.steps[band]
+        gain, nodes = s.expected(band)
         without = costs.fixed_ms + costs.verify(1 + given_nodes)
         with_heads = costs.fixed_ms + costs.verify(1 + given_nodes + nodes) + s.draft_ms
         return (1.0 + given_tokens + gain) / with_heads > (1.0 + given_tokens) / without

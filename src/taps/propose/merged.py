@@ -89,7 +89,9 @@ class MergedProposer(ProposerGroup):
             if trees[i] is None:
                 trees[i] = proposer.propose()
         if self.gate is not None and self.gate.decisions and self.gate.decisions[-1]:
-            self.gate.drafted(1e3 * (time.perf_counter() - start))
+            # a step's drafting, without catching up on the steps the heads were left out of
+            caught_up = sum(getattr(p, "last_catch_up_s", 0.0) for i, p in enumerate(self.proposers) if i not in self.first)
+            self.gate.drafted(1e3 * (time.perf_counter() - start - caught_up))
         merged = self.merge(trees)
         self.records.append(MergeRecord(turn=self._turn, step=self._step, input_sizes=tuple(t.size for t in trees),
                                         merged_size=merged.size))

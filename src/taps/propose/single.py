@@ -1,14 +1,16 @@
 """SingleProposer: one EAGLE head drafting EAGLE-2 dynamic trees, of a fixed shape or, with an
 AutoTree policy, of the depth and size its measured costs and calibrated confidences favour.
 
-The head consumes the committed context (the prompt at start(), each step's accepted tokens at
-observe()) lazily: it queues them and feeds them all at once when it next drafts. A head that
-drafts every step consumes exactly what it did before, one step later; one a composition leaves
-out for a while (a per-turn router's other heads, a budget merge's heads while prompt lookup
-copies: propose/head_gate.py) pays one forward over the whole gap when it drafts again, and
-nothing while it waits, on a long prompt nothing at all until it is first asked to draft."""
+The head consumes the prompt at start() (part of the prefill, as the target's own pass over it),
+and each step's accepted tokens lazily: observe() queues them and the head feeds everything queued
+in one forward when it next drafts. A head that drafts every step consumes exactly what it did
+before, one step later; one a composition leaves out for a while (a per-turn router's other heads,
+a budget merge's heads while prompt lookup copies: propose/head_gate.py) pays one forward over
+the whole gap when it drafts again, and nothing while it waits."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import Tensor
@@ -31,18 +33,26 @@ class SingleProposer:
         self._ctx: HeadContext | None = None
         self._pending: list[tuple[Tensor, Tensor]] | None = None  # (next tokens [T], features [T, F]) not consumed yet
         self.consumed = 0  # consume() calls so far (each a head forward)
+        # seconds of the last propose() spent catching up on more than one queued step (a gap the
+        # head was left out of; 0.0 when it drafted the step before): not what a step's drafting costs
+        self.last_catch_up_s = 0.0
 
     def start(self, features: Tensor, tokens: Tensor) -> None:
         if tokens.shape[0] != features.shape[0] + 1:
             raise ValueError(f"start(): {tokens.shape[0]} tokens for {features.shape[0]} features; expected one more token")
         self._ctx, self._pending = None, [(tokens[1:], features)]
+        self._catch_up()
 
     def _catch_up(self) -> HeadContext:
         """The head's context with every queued pair consumed, in one head forward."""
+        self.last_catch_up_s = 0.0
         if self._pending:
+            start = time.perf_counter()
             tokens = torch.cat([t for t, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
             features = torch.cat([f for _, f in self._pending]) if len(self._pending) > 1 else self._pending[0][1]
             self._ctx = consume(self.head, self._ctx, tokens, features)
+            if len(self._pending) > 1:
+                self.last_catch_up_s = time.perf_counter() - start
             self._pending.clear()
             self.consumed += 1
         return self._ctx
