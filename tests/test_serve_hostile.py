@@ -223,7 +223,8 @@ def test_metrics_keep_a_bounded_number_of_variant_series():
 
     m = Metrics(keep=("baseline", "a"))
     outcome = SimpleNamespace(tokens=[1, 2], prompt_tokens=3, accepted_tokens=1, verifier_calls=1, decode_s=0.1,
-                              acceptance_length=2.0, accepted=[1], heads=["x"], decisions=[{"head": "x"}])
+                              acceptance_length=2.0, accepted=[1], heads=["x"], decisions=[{"head": "x"}],
+                              seconds={"draft": 0.01, "target": 0.08}, tree_tokens=[3])
 
     def finish(label):
         m.finished("chat", SimpleNamespace(label=label, composition=True), outcome, "stop", 0.1)

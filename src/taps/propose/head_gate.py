@@ -21,15 +21,14 @@ heads' measured drafting time (a running mean of the wall time of steps that fol
 step: consuming that step, the LM head, the levels). A skipped head queues the step's tokens and
 consumes them all in one forward when it next drafts (propose/single.py), so it loses nothing but
 the forwards it did not run; that catch-up is left out of d (one forward over a gap, not a cost
-per step). Every `EXPLORE_EVERY`-th step a band would skip,
-the heads draft anyway, so a band's estimate follows a head that improves (a new version) or a
-workload that changes.
+per step). Every `EXPLORE_EVERY`-th step a band would skip, the heads draft anyway, so a band's
+estimate follows a head that improves (a new version) or a workload that changes.
 
 A band's estimate leans on the mean over all bands (a request's few dozen steps spread over seven
-bands), which starts at one marginal token a step: so it starts by drafting and learns within a
-request what the heads add. In a server it keeps what it learned from one request to the next (`GateState`, held per variant by
-propose/memory.VariantMemory). It only chooses what is drafted; verification is unchanged, so
-decoding stays lossless.
+bands), which starts at one marginal token a step: so the gate starts by drafting and learns within
+a request what the heads add. In a server it keeps what it learned from one request to the next
+(`GateState`, held per variant and head version by propose/memory.VariantMemory). It only chooses
+what is drafted; verification is unchanged, so decoding stays lossless.
 """
 
 from __future__ import annotations
