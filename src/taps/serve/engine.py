@@ -87,8 +87,8 @@ class Outcome:
     heads: list[str | None]  # per step: the head whose tree was verified (routing) or accepted deepest
     decode_s: float
     decisions: list[dict] = field(default_factory=list)  # a routed variant's decisions (decision_record)
-    # where decode_s went (DecodeResult.time_split, plus "setup": building the proposer, and the rest
-    # of decode_s not inside a step), and the nodes verified per step (the root counts)
+    # where decode_s went (phase_seconds: DecodeResult.time_split plus "setup", building the
+    # proposer), and the nodes verified per step (the root counts)
     seconds: dict[str, float] = field(default_factory=dict)
     tree_tokens: list[int] = field(default_factory=list)
 
