@@ -81,14 +81,16 @@ class MergedProposer(ProposerGroup):
             trees[i] = self.proposers[i].propose()
         if self.brief is not None:  # with the context the first member drafted at
             self.brief([trees[i] for i in self.first], getattr(self.proposers[self.first[0]], "context_length", None))
-        if self.gate is not None and self.first and not self.gate.drafts():
+        gated = self.gate is not None and bool(self.first)
+        heads_draft = not gated or self.gate.drafts()
+        if not heads_draft:
             root = trees[self.first[0]]  # every member's tree has the pending token at its root
             trees = [t if t is not None else DraftTree.root_only(int(root.tokens[0]), root.tokens.device) for t in trees]
         start = time.perf_counter()
         for i, proposer in enumerate(self.proposers):
             if trees[i] is None:
                 trees[i] = proposer.propose()
-        if self.gate is not None and self.gate.decisions and self.gate.decisions[-1]:
+        if gated and heads_draft:
             # a step's drafting, without catching up on the steps the heads were left out of
             caught_up = sum(getattr(p, "last_catch_up_s", 0.0) for i, p in enumerate(self.proposers) if i not in self.first)
             self.gate.drafted(1e3 * (time.perf_counter() - start - caught_up))
