@@ -96,12 +96,18 @@ class Learner:
             self.queue.put(answer)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every answer submitted so far is logged and published (tests, shutdown)."""
+        """Wait until every answer submitted so far is logged and published (tests, shutdown). After
+        close() the thread is gone and everything was already kept: nothing to wait for."""
+        if not self.thread.is_alive():
+            return
         done = threading.Event()
         self.queue.put(done)
         done.wait(timeout)
 
     def close(self) -> None:
+        """Idempotent: the server's shutdown closes it, and a caller holding it may close it again."""
+        if not self.thread.is_alive():
+            return
         self.flush()
         self.queue.put(None)
         self.thread.join(30)
