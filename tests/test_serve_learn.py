@@ -98,7 +98,8 @@ def test_the_log_holds_regenerate_records_of_kept_requests_only(learned, target_
 
 
 def test_the_store_is_persisted_and_reloaded_or_rebuilt_from_the_log(learned):
-    learned["learner"].close()
+    learned["learner"].close()  # the server's shutdown closed it already: nothing left to wait for
+    assert not learned["learner"].thread.is_alive() and learned["learner"].queue.empty()
     root, engine = learned["root"], learned["engine"]
     kept = learned["learner"].store.snapshot
     again = Learner(root, engine)
