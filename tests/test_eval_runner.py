@@ -15,7 +15,7 @@ from taps.drafter.checkpoint import write_untrained
 from taps.eval import runner
 from taps.eval.benchmarks import Question
 from taps.eval.records import read_records, record_key
-from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval
+from taps.eval.runner import EvalSettings, ResultsMismatchError, Shard, run_eval, shard_units
 from taps.propose.spec import parse_variant
 from taps.core.target import Target, TargetRef
 from taps.core.testing import write_tiny_target
@@ -166,6 +166,32 @@ def test_malformed_results_line_is_named(tmp_path, setup):
     with pytest.raises(ValueError, match=r"records\.jsonl: line 2: invalid JSON"):
         run_eval(Target.load(target_dir), str(target_dir), variants[:1], QUESTIONS[1:2], tmp_path, SETTINGS,
                  progress=False)
+
+
+def test_shards_split_along_the_longer_axis_and_cover_every_unit_once():
+    """Many questions: each process takes whole questions (every variant side by side); more variants
+    than questions (taps demo: one question per benchmark, one of them two turns): each process takes
+    whole variants over every question, so two processes decode the same number of turns."""
+    demo = [Question(b, "0", "c", ("a", "b") if b == "mt_bench" else ("a",))
+            for b in ("mt_bench", "gsm8k", "math500", "svamp")]
+    variants = [parse_variant(f"v{i}=baseline") for i in range(40)]
+    many = [Question("gsm8k", str(i), "math", ("a",)) for i in range(80)]
+    for questions, vs in ((demo, variants), (many, variants[:4]), (QUESTIONS, variants[:3])):
+        every = shard_units(questions, (0.0,), vs, Shard())
+        parts = [shard_units(questions, (0.0,), vs, Shard(r, 2)) for r in range(2)]
+        assert sorted(map(id_of, parts[0] + parts[1])) == sorted(map(id_of, every))  # each unit once
+        assert all(p == [u for u in every if u in p] for p in parts)  # in the single process's order
+        by_variant = len(vs) > len(questions)
+        axis = [{v.name if by_variant else id(q) for q, _, v in p} for p in parts]
+        assert not axis[0] & axis[1]  # a question (or a variant) never straddles two processes
+        turns = [sum(len(q.turns) for q, _, _ in p) for p in parts]
+        if by_variant:
+            assert turns == [100, 100]  # 20 variants x 5 turns each; by question it would be 120 / 80
+
+
+def id_of(unit) -> tuple:
+    q, t, v = unit
+    return id(q), t, v.name
 
 
 def test_shards_merge_into_the_single_process_records(tmp_path, setup, monkeypatch):

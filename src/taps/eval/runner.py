@@ -9,9 +9,11 @@ every conversation already written, in records.jsonl or in a shard, and never re
 `run.json` pins what the records mean (target, tree, max_new_tokens, variant specs): a rerun with
 a different one is refused rather than mixed in.
 
-Sharded: under `accelerate launch` / `torchrun` (WORLD_SIZE > 1) process r takes questions
-r, r + W, ... and writes shards/rank-r.jsonl; at the end rank 0 merges the shards into
-records.jsonl and removes them.
+Sharded: under `accelerate launch` / `torchrun` (WORLD_SIZE > 1) or `--jobs`, process r takes
+questions r, r + W, ... (or, where there are more variants than questions, as in `taps demo`'s one
+question per benchmark, variants r, r + W, ...: four questions of which one has two turns split
+3:2 and left one process idle for a third of the run) and writes shards/rank-r.jsonl; at the end
+rank 0 merges the shards into records.jsonl and removes them.
 """
 
 from __future__ import annotations
@@ -87,6 +89,18 @@ class Shard:
 
     def mine(self, index: int) -> bool:
         return index % self.world == self.rank
+
+
+def shard_units(questions: Sequence[Question], temperatures: Sequence[float], variants: Sequence[VariantSpec],
+                shard: Shard) -> list[tuple]:
+    """This process's (question, temperature, variant) units, in the single process's order. Split
+    along the longer axis: by question (every variant of a question in one process, side by side),
+    or, with more variants than questions, by variant (each variant sees every question in the
+    single process's order, so what it learns across questions is the same). The split depends only
+    on the inputs, never on what is already done, so every rank of a resumed run agrees on it."""
+    by_variant = len(variants) > len(questions)
+    return [(q, t, v) for i, q in enumerate(questions) if by_variant or shard.mine(i)
+            for t in temperatures for j, v in enumerate(variants) if not by_variant or shard.mine(j)]
 
 
 def current_shard() -> Shard:
@@ -230,8 +244,7 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     read_jsonl(sink, repair_torn=True)  # only this process appends to its sink
     done = finished(out)
     stop = target.stop_token_ids()
-    units = [(q, t, v) for i, q in enumerate(questions) if shard.mine(i)
-             for t in settings.temperatures for v in variants
+    units = [(q, t, v) for q, t, v in shard_units(questions, settings.temperatures, variants, shard)
              if (v.name, q.bench, float(t), q.question_id) not in done]
     if settings.warmup and units:
         warm = DecodeConfig(max_new_tokens=8, stop_token_ids=stop)
