@@ -43,6 +43,8 @@ MATCHING_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "n
                    "vocab_size", "rms_norm_eps", "hidden_act", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
 LM_HEAD = "lm_head.weight"  # an EAGLE-3 head's own LM head, [draft vocabulary, hidden]
 DEFAULT_LAMBDAS = tuple(round(0.1 * i, 10) for i in range(1, 10))  # 0.1 .. 0.9
+
+
 def average_state_dicts(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float] | None = None,
                         names: Sequence[str] | None = None) -> dict[str, Tensor]:
     """sum_i w_i * states[i][key] for every key; keys and shapes must agree exactly."""
