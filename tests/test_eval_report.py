@@ -19,8 +19,8 @@ from taps.eval.records import ENTROPY_BINS, check_record
 from taps.cli.eval import register_report as register
 from taps.eval.figures import ReportError
 from taps.eval.report import terminal_summary, write_report
-from taps.eval.tables import (Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table, table1,
-                              table2)
+from taps.eval.tables import (SPEED_NOTE, Table, depth_table, latex_escape, load_run, speedup_overview, speedup_table,
+                              table1, table2)
 from taps.eval.runner import EvalSettings, run_eval
 from taps.propose.spec import parse_variant
 from taps.core.target import Target
@@ -112,6 +112,12 @@ def test_speedup_and_depth_tables(acceptance_run):
     assert rows[("a_x", "1", "gsm8k")] == [1, 4.0, 2.0] and ("a_x", "1", "Average") not in rows
     overview = {(r[0], r[1]): r[2:] for r in speedup_overview(run).rows}  # the terminal's pivot of the same numbers
     assert overview[("a_x", "0")] == [1.0, 3.0, 2.0, 4.5]
+    for table in (speedup_table(run), speedup_overview(run)):  # says the trees were fixed, and their shape
+        assert table.caption.startswith(SPEED_NOTE) and "fixed tree (12 tokens, 3 levels, 3 wide" in table.caption
+    info = json.loads((acceptance_run / "run.json").read_text())
+    (acceptance_run / "run.json").write_text(json.dumps({**info, "tree_mode": "auto"}))
+    auto = speedup_table(load_run(acceptance_run)).caption
+    assert "`--tree auto`" in auto and "fixed tree" not in auto
     depth = depth_table(run)
     assert depth.header == ["variant", "T", "alpha_1", "alpha_2", "alpha_3"]  # run.json tree.depth
     assert depth.rows[0] == ["a_x", "0", 1.0, 0.5, 1.0]  # steps accepting 4 and 1

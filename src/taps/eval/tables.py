@@ -296,10 +296,28 @@ def depth_table(run: Run) -> Table:
     return table
 
 
+def speed_caption(run: Run) -> str:
+    """SPEED_NOTE, and how the run's trees were sized: with the paper's fixed trees a CPU can decode
+    slower than plain decoding (a 60-node tree forward costs 3.4x a one-token one on an AMD EPYC
+    without AMX, docs/long-context.md), and a reader of the table should know the speed TAPS gives
+    there comes from cost-sized trees."""
+    if run.info.get("tree_mode") == "auto":
+        return (f"{SPEED_NOTE} Each step's tree was sized from this machine's measured costs "
+                f"(`--tree auto`).")
+    tree = run.info.get("tree") or {}
+    if not tree:
+        return SPEED_NOTE
+    return (f"{SPEED_NOTE} Every drafted step verified the same fixed tree ({tree.get('total_tokens')} tokens, "
+            f"{tree.get('depth')} levels, {tree.get('top_k')} wide: the paper's shape for Table 1); where such a "
+            f"forward costs several one-token forwards (a 60-node tree on a CPU without AMX) it can cost more than "
+            f"its accepted tokens save. `--tree auto` sizes each step from this machine's measured costs "
+            f"(`taps profile`, docs/benchmarks.md).")
+
+
 def speedup_table(run: Run) -> Table:
     """Wall-clock throughput and speedup over plain decoding (the paper measured none)."""
     table = Table("speedup", "Throughput and speedup over the baseline",
-                  ["variant", "T", "bench", "questions", "tokens/s", "speedup"], caption=SPEED_NOTE)
+                  ["variant", "T", "bench", "questions", "tokens/s", "speedup"], caption=speed_caption(run))
     for t in run.temperatures:
         table.breaks.append(len(table.rows))
         for v in run.variants:
@@ -317,7 +335,7 @@ def speedup_overview(run: Run) -> Table:
     """The speedup table pivoted to one row per variant (speedup per benchmark, their mean, and
     tokens/s averaged over benchmarks): what a terminal has room for."""
     table = Table("speedup_overview", "Speedup over the baseline (wall clock, same run)",
-                  ["variant", "T", *run.benches, "Average", "tokens/s"], caption=SPEED_NOTE)
+                  ["variant", "T", *run.benches, "Average", "tokens/s"], caption=speed_caption(run))
     for t in run.temperatures:
         table.breaks.append(len(table.rows))
         for v in run.variants:
