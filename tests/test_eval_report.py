@@ -255,3 +255,19 @@ def test_lambda_sweep_ends_at_the_members_alone(tiny_run):
     run = load_run(tiny_run)
     assert lambda_sweeps(run) == [[(0.0, "hass-chat"), (0.1, "hass-avg-0.1"), (0.5, "hass-avg-0.5"),
                                    (0.9, "hass-avg-0.9"), (1.0, "hass-math")]]
+
+
+def test_a_replayed_run_reports_acceptance_and_no_speed(acceptance_run):
+    """--acceptance replay verified no tree: Table 1 as usual, the speed tables empty with a note that
+    says why, the speedup figure skipped."""
+    from taps.eval.figures import fig_speedup
+    from taps.eval.tables import REPLAY_NOTE
+
+    info = json.loads((acceptance_run / "run.json").read_text())
+    (acceptance_run / "run.json").write_text(json.dumps({**info, "acceptance": "replay"}))
+    run = load_run(acceptance_run)
+    assert run.replayed and table1(run).rows and run.value("a_x", "gsm8k", 0.0, "speedup") is None
+    for table in (speedup_table(run), speedup_overview(run)):
+        assert table.rows == [] and table.notes == [REPLAY_NOTE]
+    assert "replayed" in fig_speedup(run, acceptance_run / "fig.png") and not (acceptance_run / "fig.png").exists()
+    assert REPLAY_NOTE in terminal_summary(acceptance_run)

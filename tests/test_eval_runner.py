@@ -266,3 +266,45 @@ def test_auto_trees_without_a_head_are_refused_before_any_worker(tmp_path, setup
                       [parse_variant("base=baseline"), parse_variant("look=lookup")], QUESTIONS, tmp_path / "auto",
                       auto, jobs=2, progress=False)
     assert not (tmp_path / "auto").exists()
+
+
+def _close(a, b) -> bool:  # a record's values, floats to rounding (a replayed head reads one prefill's features)
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4 * max(1.0, abs(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_replayed_acceptance_equals_verified_in_float32(tmp_path, setup):
+    """--acceptance replay: every drafted variant's turns read along the target's own greedy answer
+    (core/replay.py) give the records a verified run writes (accepted, emitted, tree sizes,
+    routing, traces, outputs, reused prefixes) but the timings; the baseline decodes for real; a
+    replayed run is pinned in run.json and never mixed with a verified one; T > 0 is refused."""
+    target_dir, variants, specs = setup
+    head = specs[1].split("=", 1)[1]
+    variants = variants + [parse_variant("look=lookup"), parse_variant(f"both=merge-budget:{head},lookup")]
+    greedy = EvalSettings(temperatures=(0.0,), max_new_tokens=32, speculation=SETTINGS.speculation, warmup=False)
+    replayed = EvalSettings(temperatures=(0.0,), max_new_tokens=32, speculation=SETTINGS.speculation, warmup=False,
+                            acceptance="replay")
+    target = Target.load(target_dir, dtype="float32")
+    run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path / "verified", greedy, progress=False)
+    run_eval(target, str(target_dir), variants, QUESTIONS, tmp_path / "replayed", replayed, progress=False)
+    verified = {record_key(r): r for r in read_records(tmp_path / "verified" / "records.jsonl")}
+    again = {record_key(r): r for r in read_records(tmp_path / "replayed" / "records.jsonl")}
+    assert verified.keys() == again.keys() and len(again) == 4 * len(variants)
+    for key, r in verified.items():
+        differ = [k for k in r if k not in TIMING and not _close(again[key][k], r[k])]
+        assert not differ, (key, differ)
+        if r["variant"] != "base":
+            assert again[key]["target_s"] == 0.0
+    assert any(sum(r["accepted"]) for r in again.values())  # drafts were accepted, not only rejected
+    assert json.loads((tmp_path / "replayed" / "run.json").read_text())["acceptance"] == "replay"
+    with pytest.raises(ResultsMismatchError, match="acceptance"):
+        run_eval(target, str(target_dir), variants[:1], QUESTIONS[:1], tmp_path / "verified", replayed, progress=False)
+    with pytest.raises(ValueError, match="temperatures must be 0"):
+        EvalSettings(temperatures=(0.0, 1.0), acceptance="replay")
+    with pytest.raises(ValueError, match="acceptance must be one of"):
+        EvalSettings(acceptance="guess")

@@ -79,6 +79,12 @@ def test_templates_and_bad_keys():
         study_from_dict({k: v for k, v in base.items() if k != "variants"})
     with pytest.raises(StudyConfigError, match="placeholder"):
         study_from_dict({**base, "variants": {"{backbon}-x": "baseline"}})
+    assert study_from_dict(base).settings.acceptance == "verify"
+    assert study_from_dict({**base, "eval": {"acceptance": "replay"}}).settings.acceptance == "replay"
+    with pytest.raises(StudyConfigError, match="eval: acceptance must be one of verify, replay"):
+        study_from_dict({**base, "eval": {"acceptance": "guess"}})
+    with pytest.raises(StudyConfigError, match="eval: acceptance replay measures greedy acceptance"):
+        study_from_dict({**base, "eval": {"acceptance": "replay", "temperatures": [0, 1]}})
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +172,8 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     small = demo_study(tmp_path / "m", tmp_path / "out", None,
                        DemoSettings(2, 16, speculation=SpeculationConfig(TreeConfig(16, 5, 4))))
     assert (small.settings.speculation.tree.total_tokens, small.settings.speculation.tree.top_k) == (16, 4)
+    assert demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16, acceptance="replay")) \
+        .settings.acceptance == "replay"  # `taps demo --acceptance replay`
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, DemoSettings(2, 16))
 

@@ -213,7 +213,8 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     if "path" not in target or "out" not in drafters:
         raise StudyConfigError(f"{source}: target.path and drafters.out are required")
     ev = _check_keys(f"{source}: eval", top.get("eval"), {"bench", "temperatures", "limit", "max_new_tokens", "seed",
-                                                          "tree", "top_p", "device", "dtype", "categories", "jobs"})
+                                                          "tree", "top_p", "device", "dtype", "categories", "jobs",
+                                                          "acceptance"})
     eval_jobs = _integer(source, "eval.jobs", ev.get("jobs", 1), 1)
     tree = _check_keys(f"{source}: eval.tree", ev.get("tree"), {"total_tokens", "depth", "top_k", "mode"})
     try:  # the same defaults (mode auto: the caps) and checks as --tree, --total-tokens, --depth, --top-k
@@ -225,8 +226,9 @@ def study_from_dict(config: dict, source: str = "<dict>", data_dir: str | None =
     seed = _integer(source, "eval.seed", ev.get("seed", 0), 0, SEED_LIMIT)
     top_p = _numbers(source, "eval.top_p", ev.get("top_p", 1.0), one=True)[0]
     try:
+        acceptance = ev.get("acceptance", "verify")
         settings = EvalSettings(temperatures=tuple(temperatures), max_new_tokens=max_new_tokens, seed=seed,
-                                speculation=speculation, top_p=top_p)
+                                speculation=speculation, top_p=top_p, acceptance=acceptance)
     except (TypeError, ValueError) as err:
         raise StudyConfigError(f"{source}: eval: {err}") from None
     benches = ev.get("bench", ["mt_bench", "gsm8k", "math500", "svamp"])
@@ -366,6 +368,7 @@ class DemoSettings:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # the tree mode and shape
     dtype: str = "auto"  # the target's and heads' dtype
     jobs: int = 1  # evaluation worker processes
+    acceptance: str = "verify"  # or "replay" (runner.EvalSettings)
 
 
 def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settings: DemoSettings = DemoSettings(),
@@ -398,7 +401,8 @@ def demo_study(models: str | Path, out: str | Path, data_dir: str | None, settin
               "variants": {**PAPER_VARIANTS, **EXTRA_VARIANTS, **SWEEP_VARIANTS},
               "eval": {"bench": ["mt_bench", "gsm8k", "math500", "svamp"], "temperatures": [0.0],
                        "limit": settings.per_bench, "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype,
-                       "jobs": settings.jobs, "tree": settings.speculation.as_config()}}
+                       "jobs": settings.jobs, "tree": settings.speculation.as_config(),
+                       "acceptance": settings.acceptance}}
     study = study_from_dict(config, "taps demo", data_dir)
     absent = {str(drafters / f"{b}-{d}") for b in backbones for d in missing[b]}
     study.variants = [v for v in study.variants if not absent & {path for _, path in v.drafters}]

@@ -15,7 +15,7 @@ from taps.cli.args import (DTYPES, DefaultsHelpFormatter, add_device_arguments, 
 from taps.core.config import DEMO_OUT, STUDY_STAGES
 from taps.eval.benchmarks import load_questions, parse_bench_list
 from taps.eval.report import write_report
-from taps.eval.runner import EvalSettings, eval_benchmarks
+from taps.eval.runner import ACCEPTANCE, EvalSettings, eval_benchmarks
 from taps.propose.spec import SPEC_HELP, VariantSpecError, parse_variant
 from taps.study import DemoSettings, reproduce, run_demo
 
@@ -60,13 +60,21 @@ def register(sub) -> None:
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes on this machine, each every N-th question "
                                                        "with its share of the cores (CPUs; for GPUs use "
                                                        "accelerate launch)")
+    add_acceptance_argument(p)
     add_decode_arguments(p)
     p.set_defaults(func=_eval)
 
 
+def add_acceptance_argument(p) -> None:
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="verify",
+                   help="verify: every drafted tree verified by the target (acceptance and speed); replay: at "
+                        "temperature 0 each tree walked along the target's own greedy answer, decoded once per "
+                        "question (the same acceptance in float32, no tree forward, no speed)")
+
+
 def _eval(args) -> int:
     settings = EvalSettings(temperatures=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            speculation=speculation_from(args), top_p=args.top_p)
+                            speculation=speculation_from(args), top_p=args.top_p, acceptance=args.acceptance)
     questions = load_questions(args.bench, args.data_dir, args.limit, args.category)
     print(eval_benchmarks(target_ref(args), args.variant, questions, args.out, settings,
                           args.jobs, progress=not args.no_progress))
@@ -104,6 +112,7 @@ def register_study(sub) -> None:
     d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
                    help="worker processes, one thread each (default: one per usable core, at most 4: on a CPU that "
                         "decodes fastest)")
+    add_acceptance_argument(d)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
@@ -119,7 +128,8 @@ def _reproduce(args) -> int:
 
 
 def _demo(args) -> int:
-    settings = DemoSettings(args.per_bench, args.max_new_tokens, speculation_from(args), args.dtype, args.jobs)
+    settings = DemoSettings(args.per_bench, args.max_new_tokens, speculation_from(args), args.dtype, args.jobs,
+                            args.acceptance)
     run_demo(args.models, args.out, args.data_dir, settings, progress=not args.no_progress)
     return 0
 

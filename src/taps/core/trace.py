@@ -42,13 +42,19 @@ def entropy_of(logp: Tensor) -> Tensor:  # [..., V] log-probs -> [...] nats
 
 def step_trace(tree: DraftTree, acceptance: Acceptance, logits: Tensor) -> StepTrace:
     """tree: the verified tree (N nodes); logits: [N, V] the target's logits at its nodes."""
+    return path_trace(tree, acceptance, logits[acceptance.nodes])
+
+
+def path_trace(tree: DraftTree, acceptance: Acceptance, path_logits: Tensor) -> StepTrace:
+    """step_trace from the target's logits on the accepted path only ([A+1, V], root first): all it
+    reads of the target, and all that a replayed step (core/replay.py) has."""
     path = acceptance.nodes  # [A+1] root first
     on_path = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
     on_path[path] = True
     on_path[0] = True
     others = (~on_path).nonzero().flatten()  # [N-1-A]
     confidence, draft_entropy = tree.confidence.float(), tree.entropy.float()
-    verifier = entropy_of(torch.log_softmax(logits[path].float(), dim=-1))  # [A+1], in float32
+    verifier = entropy_of(torch.log_softmax(path_logits.float(), dim=-1))  # [A+1], in float32
     last = int(path[-1])
     has_children = bool((tree.parents == last).any())
     return StepTrace(

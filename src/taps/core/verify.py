@@ -114,6 +114,25 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
     return _walk(tree, choose)
 
 
+def verify_along(tree: DraftTree, continuation: list[int], past_end: int) -> Acceptance:
+    """Greedy acceptance when the target's argmax along the accepted path is known in advance:
+    `continuation[d]` is the target's greedy token after the path's first d + 1 tokens (replay,
+    core/replay.py). Walks the tree as verify_greedy does, duplicate token paths of merged trees
+    included; `past_end` is the bonus where the continuation runs out (a caller that cuts there)."""
+    depth = [0]
+
+    def choose(node: int, candidates: list[int]) -> tuple[int | None, int | None]:
+        if depth[0] >= len(continuation):
+            return None, past_end
+        best = continuation[depth[0]]
+        if best in candidates:
+            depth[0] += 1
+            return best, None
+        return None, best
+
+    return _walk(tree, choose)
+
+
 def verify_sampling(
     tree: DraftTree, logits: Tensor, sampling: SamplingConfig, gen: torch.Generator
 ) -> Acceptance:

@@ -39,6 +39,7 @@ from taps.core.identity import MismatchError, check_same
 from taps.core.jsonl import append_jsonl, read_json, read_jsonl, write_json_atomic
 from taps.core.outlock import output_lock
 from taps.core.outputs import check_output_dir
+from taps.core.replay import ReferenceCache, ReplaySession
 from taps.drafter.profile import AUTO_NEEDS_A_HEAD, tree_policy
 from taps.propose.factory import HeadPool
 from taps.propose.rest import is_datastore
@@ -60,6 +61,9 @@ class ResultsMismatchError(ValueError):
         self.key = key
 
 
+ACCEPTANCE = ("verify", "replay")  # how a run measures acceptance: every tree verified, or replayed (T = 0)
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     temperatures: tuple[float, ...] = (0.0,)
@@ -68,6 +72,7 @@ class EvalSettings:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)  # the tree mode and shape
     top_p: float = 1.0
     warmup: bool = True  # decode a few tokens with every variant before timing anything
+    acceptance: str = "verify"  # "replay": greedy acceptance read along the target's own answer (core/replay.py)
 
     def __post_init__(self) -> None:
         """What a run would refuse at its first question, refused when the settings are made: a
@@ -76,6 +81,11 @@ class EvalSettings:
             SamplingConfig(temperature=t, top_p=self.top_p)
         if not self.temperatures:
             raise ValueError("temperatures must name at least one temperature")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+        if self.acceptance == "replay" and any(t != 0 for t in self.temperatures):
+            raise ValueError("acceptance replay measures greedy acceptance: temperatures must be 0 only, got "
+                             f"{', '.join(f'{t:g}' for t in self.temperatures)}")
         for name in ("max_new_tokens", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (name == "max_new_tokens"):
@@ -125,7 +135,8 @@ def run_info(target, target_dir: str, variants: Sequence[VariantSpec], settings:
             "top_p": settings.top_p, "variants": {v.name: v.describe() for v in variants},
             "drafter_weights": drafter_weights(variants),
             "temperatures": list(settings.temperatures), "benches": benches,
-            **({"tree_mode": "auto"} if settings.speculation.auto else {})}  # absent: fixed (older results)
+            **({"tree_mode": "auto"} if settings.speculation.auto else {}),  # absent: fixed (older results)
+            **({"acceptance": "replay"} if settings.acceptance == "replay" else {})}  # absent: verified
 
 
 def drafter_weights(variants: Sequence[VariantSpec]) -> dict[str, str]:
@@ -141,8 +152,8 @@ def check_run_info(out: Path, info: dict) -> dict:
         return info
     old = read_json(path, "the run.json of these results (fix or remove it)",
                     lambda message: ResultsMismatchError(message, RUN_INFO))
-    for key in ("target_fingerprint", "tree", "tree_mode", "max_new_tokens", "seed", "top_p"):
-        if old.get(key) != info.get(key):  # tree_mode is only written for auto trees
+    for key in ("target_fingerprint", "tree", "tree_mode", "acceptance", "max_new_tokens", "seed", "top_p"):
+        if old.get(key) != info.get(key):  # tree_mode and acceptance are written only when not the default
             raise ResultsMismatchError(
                 f"{path}: these results were made with {key} = {old.get(key)!r}, this run has {info.get(key)!r}; "
                 "use another --out (or the same settings) so records of different runs are never mixed", key)
@@ -195,9 +206,12 @@ def _resume_learning(pool: HeadPool, variants: Sequence[VariantSpec], settings: 
             learning[record["variant"]].replay([record])
 
 
-def decode_conversation(target, proposer, question: Question, cfg: DecodeConfig) -> list:
-    """Every turn of one question in one chat session: (DecodeResult, reply text) per turn."""
-    session = ChatSession(target, proposer, cfg)
+def decode_conversation(target, proposer, question: Question, cfg: DecodeConfig,
+                        references: ReferenceCache | None = None) -> list:
+    """Every turn of one question in one chat session: (DecodeResult, reply text) per turn; with
+    `references`, each turn replayed against the target's own greedy reply (core/replay.py)."""
+    session = ChatSession(target, proposer, cfg) if references is None else ReplaySession(target, proposer, cfg,
+                                                                                          references)
     turns = []
     for text in question.turns:
         prompt_len = len(chat_ids(target.tokenizer, session.messages + [{"role": "user", "content": text}]))
@@ -254,12 +268,14 @@ def _run_eval(target, target_dir, variants, questions, out: Path, settings: Eval
     pool.forget()  # the warmup teaches no route-bandit
     _resume_learning(pool, variants, settings, out)
     bar = _progress(len(units), progress and shard.rank == 0, shard)
+    references = ReferenceCache() if settings.acceptance == "replay" else None  # shared by a question's variants
     for q, temperature, v in units:
         seed = question_seed(settings.seed, q.bench, q.question_id, temperature)
         cfg = DecodeConfig(max_new_tokens=settings.max_new_tokens, stop_token_ids=stop, seed=seed,
                            sampling=SamplingConfig(temperature=temperature, top_p=settings.top_p),
                            trace=bool(v.drafters))
-        turns = decode_conversation(target, pool.proposer(v, tree, policy), q, cfg)
+        turns = decode_conversation(target, pool.proposer(v, tree, policy), q, cfg,
+                                    references if v.drafters else None)  # the baseline decodes for real
         who = TurnIdentity(v.name, q.bench, q.question_id, 0, temperature, q.category, seed, v.member_names)
         append_jsonl(sink, [turn_record(result, replace(who, turn=i), reply)
                             for i, (result, reply) in enumerate(turns)])

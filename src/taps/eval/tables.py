@@ -24,6 +24,10 @@ BACKBONES = ("eagle2", "hass", "eagle3")  # name prefixes (study.PAPER_VARIANTS)
 SPEED_NOTE = ("Speedups are ratios measured side by side in one run (each question is decoded by every variant "
               "in turn, the baseline included); absolute tokens/s depend on the machine and are not comparable "
               "across machines.")
+REPLAY_NOTE = ("Acceptance was replayed (`--acceptance replay`): every drafted tree was walked along the target's "
+               "own greedy answer, none verified, so no speed was measured; decode with verification (the default) "
+               "for speedups.")
+SPEED_KEYS = ("tokens_per_second", "speedup")
 Cell = str | int | float | None
 
 
@@ -118,6 +122,7 @@ class Run:
         benches = {r["bench"] for r in records}
         self.benches = [b for b in BENCH_ORDER if b in benches] + sorted(benches - set(BENCH_ORDER))
         self.temperatures = sorted({float(r["temperature"]) for r in records})
+        self.replayed = info.get("acceptance") == "replay"  # no drafted tree was verified: no speed measured
         self.summary = self._summary()
 
     def spec(self, variant: str) -> dict:
@@ -139,6 +144,8 @@ class Run:
         return {(row["variant"], row["bench"], row["temperature"]): row for row in rows}
 
     def value(self, variant: str, bench: str, temperature: float, key: str) -> float | None:
+        if self.replayed and key in SPEED_KEYS:
+            return None
         return self.summary.get((variant, bench, temperature), {}).get(key)
 
 
@@ -301,6 +308,8 @@ def speed_caption(run: Run) -> str:
     slower than plain decoding (a 60-node tree forward costs 3.4x a one-token one on an AMD EPYC
     without AMX, docs/long-context.md), and a reader of the table should know the speed TAPS gives
     there comes from cost-sized trees."""
+    if run.replayed:
+        return ""
     if run.info.get("tree_mode") == "auto":
         return (f"{SPEED_NOTE} Each step's tree was sized from this machine's measured costs "
                 f"(`--tree auto`).")
@@ -318,6 +327,9 @@ def speedup_table(run: Run) -> Table:
     """Wall-clock throughput and speedup over plain decoding (the paper measured none)."""
     table = Table("speedup", "Throughput and speedup over the baseline",
                   ["variant", "T", "bench", "questions", "tokens/s", "speedup"], caption=speed_caption(run))
+    if run.replayed:
+        table.notes.append(REPLAY_NOTE)
+        return table
     for t in run.temperatures:
         table.breaks.append(len(table.rows))
         for v in run.variants:
@@ -336,6 +348,9 @@ def speedup_overview(run: Run) -> Table:
     tokens/s averaged over benchmarks): what a terminal has room for."""
     table = Table("speedup_overview", "Speedup over the baseline (wall clock, same run)",
                   ["variant", "T", *run.benches, "Average", "tokens/s"], caption=speed_caption(run))
+    if run.replayed:
+        table.notes.append(REPLAY_NOTE)
+        return table
     for t in run.temperatures:
         table.breaks.append(len(table.rows))
         for v in run.variants:
