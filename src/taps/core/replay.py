@@ -43,7 +43,7 @@ class Reference:
     context: list[int]  # the prompt ids
     tokens: list[int]  # the greedy continuation, the prefill's token first
     features: Tensor  # [C + T, F] the target's features at every position of context + tokens
-    logits: Tensor | None  # [C + T, V] its logits there (kept only for traces)
+    logits: Tensor | None  # [T, V] its logits at the continuation's positions (kept only for traces)
     stop_reason: str  # the plain decode's
 
 
@@ -56,8 +56,9 @@ def greedy_reference(target: Target, context: list[int], cfg: DecodeConfig) -> R
     target.reset()
     out = target.prefill(torch.tensor(context + plain.tokens, dtype=torch.long), all_logits=cfg.trace)
     target.reset()
-    return Reference(context=list(context), tokens=list(plain.tokens), features=out.features,
-                     logits=out.logits if cfg.trace else None, stop_reason=plain.stop_reason)
+    logits = out.logits[len(context):] if cfg.trace else None  # a trace reads none of the prompt's
+    return Reference(context=list(context), tokens=list(plain.tokens), features=out.features, logits=logits,
+                     stop_reason=plain.stop_reason)
 
 
 def replay(proposer: Proposer, ref: Reference, cfg: DecodeConfig) -> DecodeResult:
@@ -87,7 +88,7 @@ def replay(proposer: Proposer, ref: Reference, cfg: DecodeConfig) -> DecodeResul
         acc = verify_along(tree, ref.tokens[len(new):], past_end=ref.tokens[-1])  # past a stop token: cut below
         span = acc.accepted + 1  # the root and the accepted nodes
         at = start + len(new) - 1  # position of the root (the pending token)
-        trace = clock.aside(path_trace, tree, acc, ref.logits[at:at + span]) if cfg.trace else None
+        trace = clock.aside(path_trace, tree, acc, ref.logits[at - start:at - start + span]) if cfg.trace else None
         emitted = _cut(acc.new_tokens, stop, cfg.max_new_tokens - len(new))
         new += emitted
         stopped = emitted[-1] in stop
@@ -107,7 +108,7 @@ class ReferenceCache:
     `keep` most recent are kept. A reference is made again where a head attached since reads more
     target layers (its features would lack them) or a trace needs the logits it did not keep."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 4):  # a question's turns (MT-Bench: two), and some room
         self.keep = keep
         self._refs: OrderedDict[tuple, Reference] = OrderedDict()
 
