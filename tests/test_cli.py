@@ -120,6 +120,7 @@ def test_help_shows_real_defaults_only(capsys, argv):
 
 
 @pytest.mark.parametrize("key, out, moved", [("target_fingerprint", None, True), ("drafter_weights", None, True),
+                                             ("acceptance", None, True),  # a verified demo's, before replay was the default
                                              ("tree", None, False), ("target_fingerprint", "mine", False)])
 def test_demo_moves_an_earlier_defaults_results_aside(tmp_path, monkeypatch, capsys, key, out, moved):
     """`make demo` after a new embedded default shipped still runs in one command: results of the old

@@ -167,13 +167,13 @@ def test_demo_study_uses_the_shipped_backbones(tmp_path, capsys):
     assert "eagle3-mixed-small, eagle3-mixed-large; its variants without them kept" in capsys.readouterr().out
     assert len(eagle3) == 7 + 4 + 2 - 2 and {"eagle3-math", "eagle3-chat", "eagle3-merged-budget"} <= set(eagle3)
     assert not any("mixed" in n for n in eagle3) and len(study.variants) == 14 + len(eagle3)
-    assert study.limit == 2 and study.settings.temperatures == (0.0,)
+    assert study.limit == 2 and study.settings.temperatures == (0.0,) and study.settings.acceptance == "replay"
     assert study.settings.speculation == SpeculationConfig(TreeConfig(60, 5, 10), "fixed")
     small = demo_study(tmp_path / "m", tmp_path / "out", None,
                        DemoSettings(2, 16, speculation=SpeculationConfig(TreeConfig(16, 5, 4))))
     assert (small.settings.speculation.tree.total_tokens, small.settings.speculation.tree.top_k) == (16, 4)
-    assert demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16, acceptance="replay")) \
-        .settings.acceptance == "replay"  # `taps demo --acceptance replay`
+    assert demo_study(tmp_path / "m", tmp_path / "out", None, DemoSettings(2, 16, acceptance="verify")) \
+        .settings.acceptance == "verify"  # `taps demo --acceptance verify`: every tree verified, speed measured
     with pytest.raises(FileNotFoundError, match="no embedded target"):
         demo_study(tmp_path / "nothing", tmp_path / "out", None, DemoSettings(2, 16))
 

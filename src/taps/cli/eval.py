@@ -60,13 +60,13 @@ def register(sub) -> None:
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes on this machine, each every N-th question "
                                                        "with its share of the cores (CPUs; for GPUs use "
                                                        "accelerate launch)")
-    add_acceptance_argument(p)
+    add_acceptance_argument(p, "verify")
     add_decode_arguments(p)
     p.set_defaults(func=_eval)
 
 
-def add_acceptance_argument(p) -> None:
-    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="verify",
+def add_acceptance_argument(p, default: str) -> None:
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default=default,
                    help="verify: every drafted tree verified by the target (acceptance and speed); replay: at "
                         "temperature 0 each tree walked along the target's own greedy answer, decoded once per "
                         "question (the same acceptance in float32, no tree forward, no speed)")
@@ -104,7 +104,7 @@ def register_study(sub) -> None:
     d.add_argument("--out", default=DEMO_OUT, help="results/ and report/ go here; a rerun resumes (in the default "
                                                    "directory, results of an earlier embedded default are moved aside)")
     d.add_argument("--per-bench", type=positive_int, default=1,
-                   help="questions per benchmark (default 1: every variant in ~15 min on 2 cores)")
+                   help="questions per benchmark (default 1: every variant in ~3 min on 2 cores, replayed)")
     d.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap per turn")
     add_tree_arguments(d)  # the paper's 60/5/10; a CPU verifies a smaller tree faster (or --tree auto)
     d.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's and heads' dtype (auto: bf16 on "
@@ -112,7 +112,7 @@ def register_study(sub) -> None:
     d.add_argument("--jobs", type=positive_int, default=demo_jobs(),
                    help="worker processes, one thread each (default: one per usable core, at most 4: on a CPU that "
                         "decodes fastest)")
-    add_acceptance_argument(d)
+    add_acceptance_argument(d, DemoSettings.acceptance)  # replay: Table 1 without verifying a tree
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
