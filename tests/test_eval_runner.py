@@ -246,6 +246,14 @@ def test_worker_processes_on_one_machine_match_one_process(tmp_path, setup, caps
     assert not list((tmp_path / "two" / "shards").glob("*.jsonl"))
     assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
                                                                                           "records.jsonl"))
+    replayed = EvalSettings(temperatures=(0.0,), max_new_tokens=12, speculation=SETTINGS.speculation, warmup=False,
+                            acceptance="replay")  # into results of other settings: the workers' refusal, as itself
+    with pytest.raises(ResultsMismatchError, match="acceptance = None, this run has 'replay'") as refused:
+        run_eval_jobs(TargetRef(str(target_dir), "cpu", "float32"), variants[:4], QUESTIONS, tmp_path / "two",
+                      replayed, jobs=2, progress=False)
+    assert refused.value.key == "acceptance" and not list((tmp_path / "two" / "shards").glob("*"))
+    assert _strip(read_records(tmp_path / "two" / "records.jsonl")) == _strip(read_records(tmp_path / "one" /
+                                                                                          "records.jsonl"))
     with pytest.raises(SystemExit) as stop:  # refused when parsed, before any worker starts
         main(["eval", "--target", str(target_dir), "--variant", "base=baseline", "--bench", "gsm8k",
               "--out", str(tmp_path / "x"), "--jobs", "0"])

@@ -61,6 +61,7 @@ class ResultsMismatchError(ValueError):
         self.key = key
 
 
+MISMATCH = ".mismatch.json"  # a --jobs worker's note of the ResultsMismatchError it stopped at, for the parent
 ACCEPTANCE = ("verify", "replay")  # how a run measures acceptance: every tree verified, or replayed (T = 0)
 
 
@@ -317,8 +318,12 @@ def _eval_worker(target: TargetRef, variants, questions, out: str, settings: Eva
                  progress: bool) -> None:
     """One process of run_eval_jobs: shard.rank's questions, on its share of the cores."""
     torch.set_num_threads(workers.cores_each(shard.world))
-    run_eval(target.load(), target.path, variants, questions, out, settings, shard=shard, progress=progress,
-             merge=False)
+    try:
+        run_eval(target.load(), target.path, variants, questions, out, settings, shard=shard, progress=progress,
+                 merge=False)
+    except ResultsMismatchError as err:  # the parent raises it again, as itself: `taps demo` moves such results aside
+        write_json_atomic(Path(out) / SHARDS / f"rank-{shard.rank}{MISMATCH}", {"message": str(err), "key": err.key})
+        raise
 
 
 def run_eval_jobs(target: TargetRef, variants: Sequence[VariantSpec], questions: Sequence[Question],
@@ -343,11 +348,24 @@ def _run_eval_jobs(target: TargetRef, variants, questions, out: Path, settings, 
     failed = workers.join(workers.start(_eval_worker, [
         (target, list(variants), list(questions), str(out), settings, Shard(rank, jobs), progress and rank == 0)
         for rank in range(jobs)]))
+    mismatch = _worker_mismatch(out)
     merge_shards(out)  # what the finished workers wrote is kept either way; a rerun decodes the rest
+    if mismatch is not None:
+        raise mismatch
     if failed:
         raise RuntimeError(f"eval worker(s) {', '.join(map(str, failed))} of {jobs} failed (see the traceback above); "
                            "their finished conversations are kept and a rerun decodes the rest")
     return len(read_records(out / RECORDS))
+
+
+def _worker_mismatch(out: Path) -> ResultsMismatchError | None:
+    """The results mismatch a worker refused to run under (each reads the same run.json, so the
+    first says it for all), its notes removed."""
+    notes = sorted((out / SHARDS).glob(f"*{MISMATCH}")) if (out / SHARDS).is_dir() else []
+    found = [read_json(path, "a worker's mismatch note") for path in notes]
+    for path in notes:
+        path.unlink()
+    return ResultsMismatchError(found[0]["message"], found[0]["key"]) if found else None
 
 
 def merge_shards(out: Path) -> int:
