@@ -70,7 +70,10 @@ def terminal_summary(results_dir: str | Path) -> str:
     run = load_run(results_dir)
     parts = []
     for table in (table1(run), speedup_overview(run)):
-        parts.append(f"{table.title}\n\n{table.to_markdown()}" + (f"\n{table.caption}\n" if table.caption else ""))
+        if table.rows:  # a skipped table (a replayed run's speed) is its title and notes only
+            parts.append(f"{table.title}\n\n{table.to_markdown()}" + (f"\n{table.caption}\n" if table.caption else ""))
+        else:
+            parts.append(table.title)
         parts += [f"note: {n}\n" for n in table.notes]
     return "\n".join(parts)
 

@@ -25,8 +25,8 @@ SPEED_NOTE = ("Speedups are ratios measured side by side in one run (each questi
               "in turn, the baseline included); absolute tokens/s depend on the machine and are not comparable "
               "across machines.")
 REPLAY_NOTE = ("Acceptance was replayed (`--acceptance replay`): every drafted tree was walked along the target's "
-               "own greedy answer, none verified, so no speed was measured; decode with verification (the default) "
-               "for speedups.")
+               "own greedy answer, none verified, so no speed was measured; `--acceptance verify` verifies every "
+               "tree and measures speed.")
 SPEED_KEYS = ("tokens_per_second", "speedup")
 Cell = str | int | float | None
 
