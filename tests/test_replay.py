@@ -43,14 +43,13 @@ def steps_of(result):
     return [(s.accepted, s.emitted, s.tree_size, s.credited_drafter, s.drafters) for s in result.steps]
 
 
-@pytest.mark.parametrize("stop", [(), "first-emitted"])
-def test_replay_equals_real_decoding_in_float32(stop):
+def test_replay_equals_real_decoding_in_float32():
     _, target, head = llama_with_head()
     accepted = 0
     for name, make in members(target, head).items():
-        for prompt in repetitive(4):
+        for i, prompt in enumerate(repetitive(4)):
             cfg = DecodeConfig(max_new_tokens=40, trace=True)
-            if stop:  # a stop token the answer reaches: its 10th token
+            if i % 2 == 1:  # a stop token the answer reaches: its 10th token
                 cfg = DecodeConfig(max_new_tokens=40, trace=True,
                                    stop_token_ids=(generate(target, None, prompt, cfg).tokens[9],))
             real = generate(target, make(), prompt, cfg)
@@ -70,7 +69,7 @@ def test_replay_equals_real_decoding_in_float32(stop):
                 else:
                     assert a.trace.verifier_entropy_rejected == pytest.approx(b.trace.verifier_entropy_rejected, abs=1e-4)
             accepted += sum(s.accepted for s in real.steps)
-    assert accepted > (5 if stop else 50)  # the comparison covered accepted drafts, not only rejections
+    assert accepted > 50  # the comparison covered accepted drafts, not only rejections
 
 
 def test_replay_refuses_what_it_cannot_measure():
