@@ -41,10 +41,10 @@ from taps.core.targets import KNOWN_TARGETS, find_gguf, resolve_target
 from taps.train.family import BACKBONES, DOMAINS, DrafterRecipe, XlRecipe, build_drafters
 
 STAGES = STUDY_STAGES
-# what changes when a new embedded default ships (target or drafter weights): `taps demo` in its
-# default directory moves such results aside; other mismatches (tree, settings, variants) are the
-# user's choices and keep the usual refusal
-# what makes the default demo directory's results another demo's: moved aside, not refused
+# what changes when a new embedded default ships (target or drafter weights) or the demo's default
+# measurement changed (acceptance: verify before session 39): `taps demo` in its default directory
+# moves such results aside; other mismatches (tree, settings, variants) are the user's choices and
+# keep the usual refusal
 NEW_DEFAULT_KEYS = ("target_fingerprint", "target_weights", "drafter_weights", "acceptance")
 
 # The paper's seven variants per backbone (docs/spec.md §1), plus the baseline and this project's merges.

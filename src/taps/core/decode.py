@@ -262,7 +262,11 @@ class ChatSession:
     def send(self, user_text: str) -> tuple[str, DecodeResult]:
         tok = self.decoder.target.tokenizer
         self.messages.append({"role": "user", "content": user_text})
-        result = self.decoder.run(chat_ids(tok, self.messages), self.cfg, reuse_prefix=True)
+        result = self._decode(chat_ids(tok, self.messages))
         reply = reply_text(tok, result.tokens, self.cfg.stop_token_ids)
         self.messages.append({"role": "assistant", "content": reply})
         return reply, result
+
+    def _decode(self, context_ids: list[int]) -> DecodeResult:
+        """One turn's continuation of the whole conversation (core/replay.ReplaySession replays it)."""
+        return self.decoder.run(context_ids, self.cfg, reuse_prefix=True)

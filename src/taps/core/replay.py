@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from taps.core.config import DecodeConfig
-from taps.core.decode import (DecodeResult, StepStats, _common_prefix, _cut, _rooted_at, chat_ids, generate,
-                              reply_text)
+from taps.core.decode import ChatSession, DecodeResult, StepStats, _common_prefix, _cut, _rooted_at, generate
 from taps.core.proposer import Proposer
 from taps.core.stopwatch import Stopwatch
 from taps.core.target import Target
@@ -124,26 +123,19 @@ class ReferenceCache:
         return ref
 
 
-class ReplaySession:
-    """core/decode.ChatSession's turns, each replayed against the target's own greedy reply: the
-    same prompts, stop tokens and records (reused_prefix as the session's cache would have kept)."""
+class ReplaySession(ChatSession):
+    """A ChatSession whose turns are replayed against the target's own greedy reply: the same
+    prompts, stop tokens and records (reused_prefix as the session's cache would have kept)."""
 
     def __init__(self, target: Target, proposer: Proposer, cfg: DecodeConfig, references: ReferenceCache,
                  system: str | None = None):
-        if target.tokenizer is None:
-            raise ValueError("chat needs the target's tokenizer")
-        self.target, self.proposer, self.references = target, proposer, references
-        self.cfg = cfg if cfg.stop_token_ids else replace(cfg, stop_token_ids=target.stop_token_ids())
-        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        super().__init__(target, proposer, cfg, system)
+        self.references = references
         self._committed: list[int] = []  # what a ChatSession's cache would hold: context + reply but its last token
 
-    def send(self, user_text: str) -> tuple[str, DecodeResult]:
-        tok = self.target.tokenizer
-        self.messages.append({"role": "user", "content": user_text})
-        context = chat_ids(tok, self.messages)
-        result = replay(self.proposer, self.references.get(self.target, context, self.cfg), self.cfg)
-        result = replace(result, reused_prefix=min(_common_prefix(self._committed, context), len(context) - 1))
-        self._committed = context + result.tokens[:-1]
-        reply = reply_text(tok, result.tokens, self.cfg.stop_token_ids)
-        self.messages.append({"role": "assistant", "content": reply})
-        return reply, result
+    def _decode(self, context_ids: list[int]) -> DecodeResult:
+        ref = self.references.get(self.decoder.target, context_ids, self.cfg)
+        result = replay(self.decoder.proposer, ref, self.cfg)
+        result = replace(result, reused_prefix=min(_common_prefix(self._committed, context_ids), len(context_ids) - 1))
+        self._committed = context_ids + result.tokens[:-1]
+        return result

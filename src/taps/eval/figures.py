@@ -145,9 +145,9 @@ def fig_depth(run: Run, path: Path) -> str | None:
 
 def fig_speedup(run: Run, path: Path) -> str | None:
     """Speedup per variant: the mean over benchmarks of the per-benchmark speedups (the Average row)."""
-    values = {(v, t): run.value(v, m.AVERAGE, t, "speedup") for v in run.drafted for t in run.temperatures}
     if run.replayed:
         return "Speedup figure skipped: acceptance was replayed, no speed measured."
+    values = {(v, t): run.value(v, m.AVERAGE, t, "speedup") for v in run.drafted for t in run.temperatures}
     if all(s is None for s in values.values()):
         return "Speedup figure skipped: no speedups (the run needs a baseline variant and every benchmark)."
     plt = pyplot()
