@@ -314,8 +314,8 @@ def print_table(bench: str, temp: float, tallies: dict[str, Tally]) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for name, t in tallies.items():
         tps = t.tokens_per_s
-        x_hf = tps / hf.tokens_per_s if hf else float("nan")
-        x_lookup = tps / lookup.tokens_per_s if lookup else float("nan")
+        x_hf = f"{tps / hf.tokens_per_s:.2f}" if hf else "-"  # "-": that peer was not run (--only)
+        x_lookup = f"{tps / lookup.tokens_per_s:.2f}" if lookup else "-"
         median = statistics.median(t.ratios) if t.ratios else float("nan")
         steps = t.total("steps") if t.records and "steps" in t.records[0] else 0
         if steps:
@@ -327,7 +327,7 @@ def print_table(bench: str, temp: float, tallies: dict[str, Tally]) -> None:
         else:
             split, other_pct, tau, size = "-", "-", "-", "-"
         differ = f"{t.differ}/{len(t.records)}" if temp == 0 else "-"
-        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {median:.2f} | {x_hf:.2f} | {x_lookup:.2f} | {tau} | "
+        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {median:.2f} | {x_hf} | {x_lookup} | {tau} | "
               f"{split} | {other_pct} | {size} | {differ} |")
 
 

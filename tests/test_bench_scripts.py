@@ -8,6 +8,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ def _bench(name: str):
     """bench/NAME.py as a module (a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as importlib's recipe does: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -164,3 +166,21 @@ def test_serve_adapt_splits_each_windows_steps_by_phase():
     assert serve_adapt.step_split(rows[2:]) == {}
     (window,) = serve_adapt.windows({"rows": rows}, 3)
     assert window["tree_tokens"] == pytest.approx(6.0) and window["acceptance"] == pytest.approx(30 / 13)
+
+
+def test_decode_speed_table_marks_a_peer_that_was_not_run(capsys, monkeypatch):
+    """`--only` without transformers' `generate`: its column reads "-", not nan; the ratios that
+    were measured are printed from the records."""
+    monkeypatch.syspath_prepend(str(BENCH))  # as when run as a script: its sibling modules import
+    decode_speed = _bench("decode_speed")
+
+    def record(tokens, seconds):
+        return {"tokens": list(range(tokens)), "seconds": seconds, "prefill_s": 0.0}
+    tallies = {"plain": decode_speed.Tally(records=[record(10, 1.0)], ratios=[1.0]),
+               "hf-prompt-lookup": decode_speed.Tally(records=[record(10, 0.5)], ratios=[2.0])}
+    decode_speed.print_table("summarisation", 0.0, tallies)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| plain")
+            or line.startswith("| hf-prompt-lookup")]
+    assert len(rows) == 2 and "nan" not in "".join(rows)
+    plain_cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert plain_cells[:6] == ["plain", "10.0", "1.00", "1.00", "-", "0.50"]
