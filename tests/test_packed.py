@@ -189,3 +189,17 @@ def test_layers_that_cannot_share_one_product_stay_apart():
     with torch.inference_mode():
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_sibling_cast_alone_multiplies_by_its_own_copy():
+    model = tiny_model()
+    packed.pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    attn.v_proj.to(torch.bfloat16)  # the group's weights no longer share a dtype
+    x = torch.randn(1, 4, attn.q_proj.in_features)
+    with torch.inference_mode():
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x.bfloat16())
+    assert v.dtype == torch.bfloat16
+    for got, layer, inp in ((q, attn.q_proj, x), (k, attn.k_proj, x), (v, attn.v_proj, x.bfloat16())):
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(inp, layer.weight, layer.bias).float(),
+                                   rtol=1e-2, atol=1e-2)

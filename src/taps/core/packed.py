@@ -121,14 +121,19 @@ class SiblingGroup:
         self._packed_key: tuple | None = None
         self._last: tuple | None = None  # (input, its product split by member, members still to take theirs)
 
-    def packed_weight(self) -> Tensor:  # opaque oneDNN tensor, [sum of outs, in] logically
+    def packed_weight(self) -> Tensor | None:  # opaque oneDNN tensor, [sum of outs, in] logically
+        """None while the members' weights (or biases) differ in dtype or device (one of them cast or
+        moved alone): each member then multiplies by its own packed copy."""
         key = tuple((_weight_key(m.weight), None if m.bias is None else _weight_key(m.bias)) for m in self.members)
         if self._packed_key != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    torch.cat([m.weight.detach() for m in self.members]), None)
-                biases = [m.bias for m in self.members]
-                self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            tensors = [t for m in self.members for t in (m.weight, m.bias) if t is not None]
+            self._packed = self._bias = None
+            if len({(t.dtype, t.device) for t in tensors}) == 1:
+                with torch.no_grad():
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                        torch.cat([m.weight.detach() for m in self.members]), None)
+                    biases = [m.bias for m in self.members]
+                    self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             self._packed_key = key
         return self._packed
 
@@ -137,6 +142,8 @@ class SiblingGroup:
         last = self._last  # read once: another thread may replace it
         if last is None or last[0] is not x or index not in last[2]:
             weight = self.packed_weight()
+            if weight is None:
+                return _multiply(rows, member.packed_weight(), None if member.bias is None else member.bias.detach())
             product = _multiply(rows, weight, self._bias)  # [M, sum of outs]
             last = (x, product.split(self.sizes, dim=-1), set(range(len(self.members))))
             self._last = last
