@@ -79,6 +79,7 @@ class PackedLinear(nn.Linear):
     _packed: Tensor | None
     _packed_key: tuple | None
     _group: SiblingGroup | None  # siblings multiplying the same input: their stacked packed copy
+    _sibling: int  # this layer's place in _group (its columns of the product)
 
     def packed_weight(self) -> Tensor:  # opaque oneDNN tensor, [out, in] logically
         key = _weight_key(self.weight)
@@ -102,7 +103,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, weight, self.bias)
         rows = x.reshape(-1, self.in_features)  # [M, in]
         if self._group is not None:
-            out = self._group.columns(self, x, rows)  # [M, out], a view of the siblings' product
+            out = self._group.columns(self._sibling, x, rows)  # [M, out], a view of the siblings' product
         else:
             out = _multiply(rows, self.packed_weight(), None if self.bias is None else self.bias.detach())
         return out.view(*x.shape[:-1], self.out_features)  # [..., out]
@@ -137,12 +138,12 @@ class SiblingGroup:
             self._packed_key = key
         return self._packed
 
-    def columns(self, member: PackedLinear, x: Tensor, rows: Tensor) -> Tensor:  # [M, in] -> [M, out]
-        index = next(i for i, m in enumerate(self.members) if m is member)
+    def columns(self, index: int, x: Tensor, rows: Tensor) -> Tensor:  # [M, in] -> [M, out] of members[index]
         last = self._last  # read once: another thread may replace it
         if last is None or last[0] is not x or index not in last[2]:
             weight = self.packed_weight()
             if weight is None:
+                member = self.members[index]
                 return _multiply(rows, member.packed_weight(), None if member.bias is None else member.bias.detach())
             product = _multiply(rows, weight, self._bias)  # [M, sum of outs]
             last = (x, product.split(self.sizes, dim=-1), set(range(len(self.members))))
@@ -219,7 +220,8 @@ def _group_siblings(model: nn.Module) -> list[SiblingGroup]:
                     or len({m.bias is None for m in members}) != 1):
                 continue
             group = SiblingGroup(members)
-            for m in members:
-                m._group, m._packed, m._packed_key = group, None, None  # the group's copy replaces theirs
+            for index, m in enumerate(members):
+                m._group, m._sibling = group, index
+                m._packed, m._packed_key = None, None  # the group's copy replaces theirs
             groups.append(group)
     return groups

@@ -119,14 +119,15 @@ def verify_along(tree: DraftTree, continuation: list[int], past_end: int) -> Acc
     `continuation[d]` is the target's greedy token after the path's first d + 1 tokens (replay,
     core/replay.py). Walks the tree as verify_greedy does, duplicate token paths of merged trees
     included; `past_end` is the bonus where the continuation runs out (a caller that cuts there)."""
-    depth = [0]
+    depth = 0  # of the node being walked: continuation[depth] is the target's token after it
 
     def choose(node: int, candidates: list[int]) -> tuple[int | None, int | None]:
-        if depth[0] >= len(continuation):
+        nonlocal depth
+        if depth >= len(continuation):
             return None, past_end
-        best = continuation[depth[0]]
+        best = continuation[depth]
         if best in candidates:
-            depth[0] += 1
+            depth += 1
             return best, None
         return None, best
 
